@@ -1,0 +1,171 @@
+"""`llmso-lab` command line: env, model fetch, demo, bench, release, grade."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def _cmd_env(args) -> int:
+    import torch
+
+    from llmso_lab.models import cache_dir, is_cached, model_dir
+
+    try:
+        import triton
+        triton_v = triton.__version__
+    except Exception as exc:  # triton is Linux-only
+        triton_v = f"not available ({type(exc).__name__})"
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (kernels run under TRITON_INTERPRET=1)"
+    rows = [("python", platform.python_version()), ("platform", platform.platform()), ("torch", torch.__version__),
+            ("triton", triton_v), ("cuda", cuda), ("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "(unset)")),
+            ("cpu threads", str(torch.get_num_threads())), ("cache", str(cache_dir())),
+            ("smollm2-135m", f"ready ({model_dir('smollm2-135m')})" if is_cached("smollm2-135m")
+             else "not fetched yet: run `llmso-lab model fetch`")]
+    for k, v in rows:
+        print(f"{k:<18} {v}")
+    return 0
+
+
+def _cmd_model(args) -> int:
+    from llmso_lab.models import fetch_model, load_model
+
+    t0 = time.perf_counter()
+    path = fetch_model(args.name, force=args.force)
+    print(f"{args.name}: {path} (fetch step {time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
+    load_model(args.name)
+    print(f"{args.name}: loads from the cache in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _cmd_release(args) -> int:
+    from llmso_lab.grading.release import build_bundle, check_labs, write_labs
+
+    if args.check:
+        problems = check_labs()
+        for p in problems:
+            print(p)
+        if problems:
+            print("labs/ is generated from solutions/: run `llmso-lab release --labs` and commit the result.")
+            return 1
+        print("labs/ matches solutions/")
+        return 0
+    names = write_labs()
+    print(f"wrote labs/: {', '.join(names)}")
+    if args.out:
+        files = build_bundle(Path(args.out))
+        print(f"student bundle: {args.out} ({len(files)} files; no solutions, no hidden checks)")
+    return 0
+
+
+def _cmd_grade(args) -> int:
+    from llmso_lab.grading.grader import format_table, grade_notebook
+
+    try:
+        res = grade_notebook(args.submission, lab=args.lab, only=args.exercise, timeout_s=args.timeout)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(res))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1))
+        print(f"results: {args.json}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    name = args.name
+    try:
+        mod = importlib.import_module(f"llmso_lab.bench.{name}")
+    except ModuleNotFoundError:
+        from importlib import resources
+        known = sorted(p.name[:-3] for p in resources.files("llmso_lab.bench").iterdir()
+                       if p.name.endswith(".py") and not p.name.startswith("_"))
+        print(f"error: unknown benchmark {name!r}; available: {', '.join(known)}", file=sys.stderr)
+        return 2
+    res = mod.run(quick=args.quick)
+    res.setdefault("command", " ".join(["llmso-lab", *sys.argv[1:]]))
+    res.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    print_table(res.get("table", []))
+    if res.get("ratios"):
+        print("ratios (measured in this run):")
+        for k, v in res["ratios"].items():
+            print(f"  {k:<40} {v:.2f}" if isinstance(v, (int, float)) else f"  {k:<40} {v}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        print(f"json: {args.json}")
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    widths = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(fmt(r.get(c, "")).ljust(widths[c]) for c in cols))
+
+
+def _cmd_demo(args) -> int:
+    from llmso_lab.demo import run_demo
+
+    return run_demo(out_dir=Path(args.out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="llmso-lab", description="LLM serving optimization labs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("env", help="report Python, torch, triton, CUDA, the cache and the model").set_defaults(fn=_cmd_env)
+    m = sub.add_parser("model", help="manage the real model")
+    msub = m.add_subparsers(dest="action", required=True)
+    f = msub.add_parser("fetch", help="download and cache SmolLM2 (once)")
+    f.add_argument("name", nargs="?", default="smollm2-135m")
+    f.add_argument("--force", action="store_true", help="fetch again even if cached")
+    f.set_defaults(fn=_cmd_model)
+    d = sub.add_parser("demo", help="instructor demo: model, roofline ceilings, plots in out/demo/")
+    d.add_argument("--out", default="out/demo")
+    d.set_defaults(fn=_cmd_demo)
+    b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")
+    b.add_argument("name")
+    b.add_argument("--quick", action="store_true", help="smaller workload (about a minute)")
+    b.add_argument("--json", help="write the figures to this JSON file")
+    b.set_defaults(fn=_cmd_bench)
+    r = sub.add_parser("release", help="generate labs/ from solutions/ and build the student bundle")
+    r.add_argument("--out", help="write the student bundle here")
+    r.add_argument("--check", action="store_true", help="fail if labs/ differs from what solutions/ generates")
+    r.add_argument("--labs", action="store_true", help="only regenerate labs/ (the default without --out)")
+    r.set_defaults(fn=_cmd_release)
+    g = sub.add_parser("grade", help="grade a submitted notebook in a sandbox")
+    g.add_argument("submission")
+    g.add_argument("--lab", help="lab number (default: from the notebook)")
+    g.add_argument("--json", help="write Gradescope results.json here")
+    g.add_argument("--exercise", action="append", help="grade only this exercise (repeatable)")
+    g.add_argument("--timeout", type=float, help="override the per-exercise time limit (seconds)")
+    g.set_defaults(fn=_cmd_grade)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from llmso_lab.models import ModelFetchError
+
+        if isinstance(exc, (ModelFetchError, ValueError)):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

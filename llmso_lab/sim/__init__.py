@@ -1,0 +1,14 @@
+"""Serving simulator: a roofline cost model of one engine step and a discrete-event engine on top."""
+from llmso_lab.sim.calibrate import calibrate, cpu_profile, relative_errors
+from llmso_lab.sim.cost import CostModel, StepBreakdown, StepCost, UnitCost
+from llmso_lab.sim.grid import lecture_requests, lecture_slot_grids
+from llmso_lab.sim.policies import pick_victim, policy_key
+from llmso_lab.sim.preemption import PreemptionCosts, preemption_costs
+from llmso_lab.sim.results import RequestMetrics, SimResult, SimStep
+from llmso_lab.sim.simulator import SimConfig, simulate
+
+__all__ = [
+    "CostModel", "StepCost", "StepBreakdown", "UnitCost", "cpu_profile", "calibrate", "relative_errors",
+    "SimConfig", "simulate", "SimResult", "SimStep", "RequestMetrics", "policy_key", "pick_victim",
+    "lecture_requests", "lecture_slot_grids", "PreemptionCosts", "preemption_costs",
+]

@@ -1,0 +1,113 @@
+"""Plots for the labs. Each helper builds and returns a matplotlib `Figure` (no pyplot state, no
+`plt.show()`), so it works under the Agg backend, in tests, and in notebooks (the Figure displays
+itself as a cell's last value). Labels are English so no CJK font is needed.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from llmso_lab.hardware import Accelerator
+
+__all__ = ["plot_slot_grid", "plot_roofline", "plot_latency_cdf", "plot_tradeoff"]
+
+
+def plot_slot_grid(grid: np.ndarray, title: str = "") -> Figure:
+    """The lecture's slot grid: rows = batch slots, columns = iterations, one colour per request,
+    idle cells (-1) grey and hatched, each busy cell labelled with its request id."""
+    grid = np.asarray(grid)
+    n_slots, n_iters = grid.shape
+    fig = Figure(figsize=(max(4.0, 0.55 * n_iters + 1.5), max(2.0, 0.55 * n_slots + 1.0)))
+    ax = fig.add_subplot()
+    ids = sorted(int(i) for i in np.unique(grid) if i >= 0)
+    colours = ListedColormap([(0, 0, 0, 0)] + [tuple(c) for c in _palette(len(ids))])
+    index = np.zeros_like(grid)
+    for k, rid in enumerate(ids):
+        index[grid == rid] = k + 1
+    ax.imshow(index, cmap=colours, vmin=0, vmax=len(ids), aspect="equal", interpolation="nearest")
+    for (r, c), rid in np.ndenumerate(grid):
+        if rid < 0:
+            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor="0.85", hatch="//", edgecolor="0.6", lw=0))
+        else:
+            ax.text(c, r, str(rid), ha="center", va="center", fontsize=9)
+    ax.set_xticks(np.arange(n_iters), [str(i + 1) for i in range(n_iters)])
+    ax.set_yticks(np.arange(n_slots), [f"slot {i}" for i in range(n_slots)])
+    ax.set_xticks(np.arange(-0.5, n_iters), minor=True)
+    ax.set_yticks(np.arange(-0.5, n_slots), minor=True)
+    ax.grid(which="minor", color="white", lw=2)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xlabel("iteration (decoding step)")
+    idle = int((grid < 0).sum())
+    ax.set_title(f"{title}{': ' if title else ''}{idle} of {grid.size} cells idle")
+    fig.tight_layout()
+    return fig
+
+
+def plot_roofline(hardware: Accelerator, points: Sequence[tuple] = (), intensity_range: tuple[float, float] | None = None) -> Figure:
+    """Log-log roofline of `hardware` with its ridge point.
+
+    points: (label, intensity FLOP/byte) or (label, intensity, achieved FLOP/s); without a measured
+    rate a point sits on the roof.
+    """
+    peak, bw = hardware.peak_flops, hardware.mem_bandwidth
+    lo, hi = intensity_range or (min([0.1] + [p[1] / 3 for p in points]), max([hardware.ridge * 30] + [p[1] * 3 for p in points]))
+    x = np.geomspace(lo, hi, 200)
+    fig = Figure(figsize=(6.5, 4.2))
+    ax = fig.add_subplot()
+    ax.loglog(x, np.minimum(peak, x * bw), color="k", lw=2, label=f"{hardware.name} roof")
+    ax.axvline(hardware.ridge, color="0.5", ls="--", lw=1)
+    ax.annotate(f"ridge {hardware.ridge:.0f} FLOP/B", (hardware.ridge, peak), textcoords="offset points",
+                xytext=(5, -14), fontsize=8, color="0.3")
+    for label, intensity, *achieved in points:
+        y = achieved[0] if achieved else min(peak, intensity * bw)
+        ax.plot(intensity, y, "o")
+        ax.annotate(label, (intensity, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("attainable FLOP/s")
+    ax.set_title(f"Roofline: {hardware.name}")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], xlabel: str = "latency (s)", title: str = "") -> Figure:
+    """Empirical CDF of each named latency sample (e.g. {"fcfs": e2e, "sjf": e2e}), p50 and p99 marked."""
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    for name, values in latencies.items():
+        v = np.sort(np.asarray(values, dtype=float))
+        (line,) = ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=name)
+        for q in (50, 99):
+            ax.plot(np.percentile(v, q), q / 100, "o", color=line.get_color(), ms=4)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title or "Latency CDF (dots: p50, p99)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_tradeoff(x: Sequence[float], y: Sequence[float], labels: Sequence[object] = (), xlabel: str = "TTFT p50 (s)",
+                  ylabel: str = "TPOT p50 (s)", title: str = "") -> Figure:
+    """One sweep as a line of points, each labelled (e.g. by its max_num_batched_tokens)."""
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    ax.plot(x, y, "o-")
+    for xi, yi, lab in zip(x, y, labels):
+        ax.annotate(str(lab), (xi, yi), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title or f"{ylabel} vs {xlabel}")
+    fig.tight_layout()
+    return fig
+
+
+def _palette(n: int) -> np.ndarray:
+    from matplotlib import colormaps
+    cmap = colormaps["tab20" if n > 10 else "tab10"]
+    return np.array([cmap(i % cmap.N) for i in range(n)])
