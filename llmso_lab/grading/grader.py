@@ -114,16 +114,19 @@ def grade_exercise(ex: Exercise, nb, timeout_s: float | None = None, expected: l
     if state and not state.get("found"):
         lines.append(f"`{ex.name}` is not defined after running its cell")
     results = state["results"] if state else []
+    reasons = []  # why each failing check failed
     for i in range(total):
         label = _case_label(ex, i)
         if i >= len(results):
-            lines.append(f"FAIL {label}: not run ({how or 'the exercise stopped early'})")
+            reasons.append(f"not run ({how or 'the exercise stopped early'})")
+            lines.append(f"FAIL {label}: {reasons[-1]}")
             continue
         r = results[i]
         if not isinstance(r, dict) or not r.get("ok"):
             err = str(r.get("error", "")) if isinstance(r, dict) else "malformed result"
             if MARK in err:
                 err = err[err.index(MARK):]
+            reasons.append(err)
             lines.append(f"FAIL {label}: {err}")
             continue
         try:
@@ -134,9 +137,13 @@ def grade_exercise(ex: Exercise, nb, timeout_s: float | None = None, expected: l
             passed += 1
             lines.append(f"ok   {label}")
         else:
-            lines.append(f"FAIL {label}: {'wrong result' if ex.cases[i].hidden else msg}")
+            reasons.append("wrong result" if ex.cases[i].hidden else msg)
+            lines.append(f"FAIL {label}: {reasons[-1]}")
     if how and results and len(results) >= total:
         lines.append(f"note: {how}")
+    if passed == 0 and total > 1 and len(set(reasons)) == 1:
+        # the same reason for every check (e.g. "not implemented yet"): say it once
+        lines = [ln for ln in lines if not ln.startswith("FAIL ")] + [f"FAIL all {total} checks: {reasons[0]}"]
     score = round(ex.points * passed / total, 2) if total else 0.0
     return ExerciseResult(ex, score, passed, total, lines, time.perf_counter() - t0)
 
