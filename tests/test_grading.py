@@ -213,3 +213,21 @@ def test_student_stub_keeps_signature_and_drops_solution():
     assert src.startswith("def roofline_time(flops, bytes_moved, peak_flops, bandwidth):")
     assert 'raise NotImplementedError("exercise roofline_time")' in src and "compute_s" not in src
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+
+
+def test_check_gives_feedback_and_restores_the_reference():
+    from llmso_lab import hardware as hw
+    from llmso_lab.grading import check
+
+    wrong = check("roofline_time", fn=lambda flops, b, p, bw: flops / p + b / bw)
+    assert not wrong.ok and "expected" in repr(wrong) and "allowed atol" in repr(wrong)
+    cheat = check("roofline_time", fn=lambda *a: hw.roofline_time(*a))
+    assert not cheat.ok and "TRIPWIRE" in repr(cheat)
+    assert hw.roofline_time(1.0, 1.0, 1.0, 2.0) == 1.0  # restored after check()
+    right = check("roofline_time", fn=lambda f, b, p, bw: max(f / p, b / bw))
+    assert right.ok and right.passed == right.total == 2
+    assert "PASSED" in right._repr_html_()
+    missing = check("roofline_time", fn=None)
+    assert not missing.ok and "not defined" in repr(missing)
+    with pytest.raises(ValueError, match="known exercises"):
+        check("no_such_exercise")
