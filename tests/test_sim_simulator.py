@@ -202,3 +202,23 @@ def test_preemption_crossover_short_recompute_long_swap():
     assert 100 < fine.crossover_len < 2000
     idle = preemption_costs(COST_70B, seq_lens=[16, 8192], decode_batch=())
     assert idle.crossover_len == 16                            # an idle engine pays the weights: swap always wins
+
+
+def test_hand_grids_match_the_simulator_and_the_lecture():
+    import numpy as np
+
+    from llmso_lab.sim import continuous_slot_grid, lecture_slot_grids, slot_utilization, static_slot_grid
+    from llmso_lab.sim.grid import LECTURE_OUTPUT_LENS, LECTURE_WAITING_LENS
+
+    sim = lecture_slot_grids()
+    static = static_slot_grid(list(LECTURE_OUTPUT_LENS), 4)
+    assert static.shape == (4, 7) and (static < 0).sum() == 12 and slot_utilization(static) == 16 / 28
+    assert np.array_equal(static, sim["static"])
+    lens = list(LECTURE_OUTPUT_LENS + LECTURE_WAITING_LENS)
+    assert np.array_equal(static_slot_grid(lens, 4), sim["static_all"])
+    cont = continuous_slot_grid(lens, 4)
+    assert cont.shape == (4, 7) and (cont < 0).sum() == 0 and np.array_equal(cont, sim["continuous"])
+    assert sorted(np.unique(cont).tolist()) == list(range(7))
+    # each request occupies exactly as many cells as it has tokens
+    assert [(cont == r).sum() for r in range(7)] == lens
+    assert continuous_slot_grid([], 2).shape == (2, 0)

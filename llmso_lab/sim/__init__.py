@@ -1,7 +1,8 @@
 """Serving simulator: a roofline cost model of one engine step and a discrete-event engine on top."""
 from llmso_lab.sim.calibrate import calibrate, cpu_profile, relative_errors
 from llmso_lab.sim.cost import CostModel, StepBreakdown, StepCost, UnitCost
-from llmso_lab.sim.grid import lecture_requests, lecture_slot_grids
+from llmso_lab.sim.grid import (continuous_slot_grid, lecture_requests, lecture_slot_grids, slot_utilization,
+                                static_slot_grid)
 from llmso_lab.sim.policies import pick_victim, policy_key
 from llmso_lab.sim.preemption import PreemptionCosts, preemption_costs
 from llmso_lab.sim.results import RequestMetrics, SimResult, SimStep
@@ -10,5 +11,5 @@ from llmso_lab.sim.simulator import SimConfig, simulate
 __all__ = [
     "CostModel", "StepCost", "StepBreakdown", "UnitCost", "cpu_profile", "calibrate", "relative_errors",
     "SimConfig", "simulate", "SimResult", "SimStep", "RequestMetrics", "policy_key", "pick_victim",
-    "lecture_requests", "lecture_slot_grids", "PreemptionCosts", "preemption_costs",
+    "lecture_requests", "lecture_slot_grids", "static_slot_grid", "continuous_slot_grid", "slot_utilization", "PreemptionCosts", "preemption_costs",
 ]

@@ -12,7 +12,8 @@ from llmso_lab.sim.cost import UnitCost
 from llmso_lab.sim.simulator import simulate
 from llmso_lab.workloads import Request
 
-__all__ = ["LECTURE_OUTPUT_LENS", "LECTURE_WAITING_LENS", "lecture_requests", "lecture_slot_grids"]
+__all__ = ["LECTURE_OUTPUT_LENS", "LECTURE_WAITING_LENS", "lecture_requests", "lecture_slot_grids",
+           "static_slot_grid", "continuous_slot_grid", "slot_utilization"]
 
 LECTURE_OUTPUT_LENS = (7, 3, 4, 2)     # the first batch
 LECTURE_WAITING_LENS = (5, 4, 3)       # queued behind it
@@ -36,3 +37,46 @@ def lecture_slot_grids() -> dict[str, np.ndarray]:
 
     return {"static": grid("static", False), "static_all": grid("static", True),
             "continuous": grid("continuous", True)}
+
+
+def static_slot_grid(output_lens: list[int], num_slots: int) -> np.ndarray:
+    """Static batching by hand: requests in arrival order form batches of `num_slots`; a batch holds its
+    slots until its longest request is done, then the next batch starts. Returns [num_slots, iterations]
+    request ids, -1 where a slot makes no token (one token per busy slot per iteration)."""
+    columns = []
+    for first in range(0, len(output_lens), num_slots):
+        batch = list(range(first, min(first + num_slots, len(output_lens))))
+        for it in range(max(output_lens[r] for r in batch)):
+            col = [-1] * num_slots
+            for slot, rid in enumerate(batch):
+                if it < output_lens[rid]:
+                    col[slot] = rid
+            columns.append(col)
+    return np.array(columns, dtype=int).T.reshape(num_slots, len(columns))
+
+
+def continuous_slot_grid(output_lens: list[int], num_slots: int) -> np.ndarray:
+    """Iteration-level (continuous) batching by hand: before every iteration, waiting requests take the
+    free slots (lowest slot first, in arrival order); every busy slot makes one token; a request that has
+    all its tokens leaves at the end of that iteration. Returns [num_slots, iterations] request ids."""
+    slots: list[int | None] = [None] * num_slots
+    made = [0] * len(output_lens)
+    waiting = list(range(len(output_lens)))
+    columns = []
+    while waiting or any(s is not None for s in slots):
+        for i in range(num_slots):  # admit
+            if slots[i] is None and waiting:
+                slots[i] = waiting.pop(0)
+        columns.append([-1 if s is None else s for s in slots])
+        for i, rid in enumerate(slots):  # one token each, then retire
+            if rid is not None:
+                made[rid] += 1
+                if made[rid] == output_lens[rid]:
+                    slots[i] = None
+    return np.array(columns, dtype=int).T.reshape(num_slots, len(columns))
+
+
+def slot_utilization(grid: np.ndarray) -> float:
+    """Busy cells / all cells of a slot grid (the lecture's 16 / 28 for static batching)."""
+    grid = np.asarray(grid)
+    return float((grid >= 0).sum() / grid.size) if grid.size else float("nan")
