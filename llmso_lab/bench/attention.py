@@ -11,9 +11,12 @@
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+import os
 import platform
+import sys
 import time
 from typing import Callable
 
@@ -28,6 +31,20 @@ __all__ = ["run", "peak_cpu_alloc_bytes"]
 MiB, SKIP = 2**20, "skipped: needs CUDA"
 
 
+@contextlib.contextmanager
+def _quiet_c_stderr():
+    """torch's profiler logs two USDT lines per run straight to the C-level stderr: hide them."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def peak_cpu_alloc_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes held by torch's CPU allocator while `fn` runs, above what was live before.
 
@@ -36,7 +53,7 @@ def peak_cpu_alloc_bytes(fn: Callable[[], object]) -> int:
     mark of live tensor memory. (tracemalloc cannot see these allocations; process RSS would also count
     the allocator's caching and page-granular noise.) The call's output counts while it is alive.
     """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_c_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]

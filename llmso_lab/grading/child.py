@@ -63,7 +63,7 @@ def main(job_dir: str) -> None:
         os.replace(tmp, out_path)
 
     cases = torch.load(os.path.join(job_dir, "cases.pt"), weights_only=True)
-    tw = tripwire(job["reference"], job["exercise"])
+    tw = tripwire(job["disabled"], job["exercise"])
     tw.__enter__()  # never undone: this process only ever runs student code from here on
     ns: dict = {"__name__": "__main__"}
     exec(compile(PRELUDE, "<prelude>", "exec"), ns)

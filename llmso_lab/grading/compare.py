@@ -87,7 +87,9 @@ def exact() -> Comparator:
     def cmp(got: Any, exp: Any, path: str = "result") -> str | None:
         if isinstance(exp, torch.Tensor):
             if not isinstance(got, torch.Tensor) or got.shape != exp.shape or not torch.equal(got.cpu(), exp.cpu()):
-                return f"{path}: expected {exp.tolist()}, got {got.tolist() if isinstance(got, torch.Tensor) else got!r}"
+                return f"{path}: expected {exp.tolist()}, got {got.tolist() if isinstance(got, torch.Tensor) else got!r}"[:300]
+            if got.dtype != exp.dtype:  # torch.equal ignores dtype
+                return f"{path}: dtype {got.dtype}, expected {exp.dtype}"
             return None
         if isinstance(exp, (list, tuple)):
             if not isinstance(got, (list, tuple)) or len(got) != len(exp):

@@ -45,8 +45,8 @@ class ExerciseResult:
 
 def expected_values(ex: Exercise) -> list[Any]:
     """Run the library reference on every case (in this, the grading, process)."""
-    ref = resolve(ex.reference)
-    return [run_case(ref, case, ex.kind) for case in ex.cases]
+    oracle = resolve(ex.oracle or ex.reference)
+    return [run_case(oracle, case, ex.kind) for case in ex.cases]
 
 
 def _case_label(ex: Exercise, i: int) -> str:
@@ -61,7 +61,7 @@ def _run_child(ex: Exercise, source: str, timeout_s: float) -> tuple[dict | None
                   "calls": [[m, list(a), dict(k)] for m, a, k in c.calls] if c.calls is not None else None}
                  for c in ex.cases]
         torch.save(cases, os.path.join(job_dir, "cases.pt"))
-        job = {"exercise": ex.name, "reference": ex.reference, "kind": ex.kind, "source": source,
+        job = {"exercise": ex.name, "disabled": list(ex.disabled), "kind": ex.kind, "source": source,
                "memory_mb": ex.memory_mb, "cpu_s": int(2 * timeout_s + 10)}
         Path(job_dir, "job.json").write_text(json.dumps(job))
         env = {**os.environ, **ex.env, "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",

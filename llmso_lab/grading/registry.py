@@ -41,6 +41,13 @@ class Exercise:
     memory_mb: int = 4096     # address-space limit of the student's process
     env: dict[str, str] = field(default_factory=dict)  # extra environment (e.g. TRITON_INTERPRET=1)
     description: str = ""
+    oracle: str | None = None  # computes the expected values when it is not `reference` (e.g. a torch
+                               # oracle for a Triton kernel, so the grader itself needs no kernel)
+    tripwires: tuple[str, ...] = ()  # more library functions disabled while the exercise runs
+
+    @property
+    def disabled(self) -> tuple[str, ...]:
+        return (self.reference, *self.tripwires)
 
     @property
     def key(self) -> str:
