@@ -1,0 +1,71 @@
+"""EngineConfig: the engine's settings, checked up front, and the KV-cache sizing that depends on the model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from llmso_lab.engine.attention import ATTENTION_BACKENDS
+from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block
+from llmso_lab.engine.policy import POLICIES
+from llmso_lab.engine.scheduler import BATCHING_MODES, PREEMPTION_MODES
+from llmso_lab.kv.block_manager import cdiv
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None          # None: kv_cache_memory_bytes / bytes per block
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None          # None: the model's max_position_embeddings
+    batching: str = "continuous"
+    batch_window_s: float = 0.05
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space_blocks: int | None = None      # None: as many as num_kv_blocks (swap mode only)
+    attention_backend: str = "torch"
+    seed: int = 0
+    kv_cache_memory_bytes: int = 1 << 30
+    sjf_predictor: str | Callable = "oracle"
+    sjf_aging: float = 1.0
+
+    def __post_init__(self) -> None:
+        """Checks that need no model. Raises ValueError listing the valid choices."""
+        for name, valid in (("batching", BATCHING_MODES), ("scheduling_policy", POLICIES),
+                            ("preemption_mode", PREEMPTION_MODES), ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+
+    def resolve(self, model_config, dtype: torch.dtype) -> None:
+        """Fill in max_model_len, num_kv_blocks and swap_space_blocks for this model; check they can work."""
+        check_model_config(model_config)
+        limit = model_config.max_position_embeddings
+        self.max_model_len = self.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        if self.batching == "continuous" and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={self.max_model_len} with "
+                             "chunked prefill off: a long prompt could never be scheduled; raise max_num_batched_tokens, "
+                             "lower max_model_len or set enable_chunked_prefill=True")
+        per_seq = cdiv(self.max_model_len, self.block_size)   # blocks one max-length sequence needs
+        if self.num_kv_blocks is None:
+            budget = self.kv_cache_memory_bytes // kv_cache_bytes_per_block(model_config, self.block_size, dtype)
+            if budget < per_seq:
+                raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds {budget} blocks but one sequence "
+                                 f"of max_model_len={self.max_model_len} needs {per_seq}; raise it or lower max_model_len")
+            self.num_kv_blocks = min(budget, self.max_num_seqs * per_seq)   # more could never be used
+        if self.num_kv_blocks < per_seq:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} ({self.num_kv_blocks * self.block_size} tokens) cannot hold "
+                             f"one sequence of max_model_len={self.max_model_len}: it needs {per_seq} blocks of "
+                             f"{self.block_size} tokens; raise num_kv_blocks or lower max_model_len")
+        if self.preemption_mode != "swap":
+            self.swap_space_blocks = 0
+        elif self.swap_space_blocks is None:
+            self.swap_space_blocks = self.num_kv_blocks

@@ -1,0 +1,254 @@
+"""LLM: the engine's front door (vLLM's offline API) and the four-step `step()` loop."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from llmso_lab.engine.config import EngineConfig
+from llmso_lab.engine.metrics import RequestMetrics, StepTrace
+from llmso_lab.engine.model_runner import ModelRunner
+from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
+from llmso_lab.engine.policy import make_policy
+from llmso_lab.engine.sampler import Sampler
+from llmso_lab.engine.sampling_params import SamplingParams
+from llmso_lab.engine.scheduler import Scheduler, SchedulerOutput
+from llmso_lab.engine.sequence import Sequence
+from llmso_lab.kv.block_manager import BlockManager
+
+Prompt = str | dict | list[int]
+
+
+class LLM:
+    """A small serving engine: continuous batching over a paged KV cache, run on a HF Llama-family model.
+
+    `model` is a registry name ("smollm2-135m", "tiny-llama") or a Hugging Face PreTrainedModel.
+    `num_kv_blocks=None` sizes the cache from `kv_cache_memory_bytes` (capped at what `max_num_seqs`
+    sequences of `max_model_len` tokens can use). See `Scheduler` for what the batching modes mean.
+    """
+
+    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 batching: str = "continuous", batch_window_s: float = 0.05,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+                 scheduling_policy: str = "fcfs", preemption_mode: str = "recompute",
+                 swap_space_blocks: int | None = None, attention_backend: str = "torch", seed: int = 0,
+                 kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 1.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = c = EngineConfig(
+            block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, batching, batch_window_s,
+            enable_chunked_prefill, enable_prefix_caching, scheduling_policy, preemption_mode, swap_space_blocks,
+            attention_backend, seed, kv_cache_memory_bytes, sjf_predictor, sjf_aging)
+        self.model, self.tokenizer = _resolve_model(model, tokenizer)
+        c.resolve(self.model.config, self.model.get_input_embeddings().weight.dtype)
+        self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
+        self.block_manager = BlockManager(c.num_kv_blocks, block_size, enable_prefix_caching, c.swap_space_blocks)
+        self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        policy_kwargs = {"predictor": sjf_predictor, "aging": sjf_aging} if scheduling_policy == "sjf" else {}
+        self.scheduler = Scheduler(
+            self.block_manager, make_policy(scheduling_policy, **policy_kwargs), batching=batching,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=c.max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
+            batch_window_s=batch_window_s, eos_token_ids=self.eos_token_ids, clock=clock)
+        self.model_runner = ModelRunner(self.model, block_size=block_size, num_kv_blocks=c.num_kv_blocks,
+                                        num_swap_blocks=c.swap_space_blocks, max_model_len=c.max_model_len,
+                                        attention_backend=attention_backend)
+        self.sampler = Sampler()
+        self.num_requests = self.num_steps = self.num_finished = 0
+        self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
+        self.busy_time_s, self.peak_blocks_used, self.start_time = 0.0, 0, None
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _validate(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[list[int], str | None]:
+        """Check one request; return its prompt token ids and text. Raises ValueError, changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass tokenizer=... or {'prompt_token_ids': [...]}")
+            text, ids = prompt, list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}")
+        vocab = self.model_runner.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        return ids, text
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
+        """Queue one request; returns its request id. `arrival_time` (engine clock) may lie in the future:
+        the request stays invisible to the scheduler until then (replaying a workload)."""
+        params = sampling_params or SamplingParams()
+        ids, text = self._validate(prompt, params, priority)
+        return self._add(ids, text, params, priority, arrival_time)
+
+    def _add(self, ids: list[int], text: str | None, params: SamplingParams, priority: int, arrival_time: float | None) -> str:
+        index = self.num_requests
+        self.num_requests += 1
+        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + index) % (1 << 63)
+        now = self.clock()
+        self.start_time = self.start_time or now
+        seq = Sequence(index, str(index), ids, params, now if arrival_time is None else arrival_time, priority,
+                       prompt=text, generator=torch.Generator().manual_seed(seed))
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += len(ids)
+        return seq.request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], StepTrace]:
+        """One scheduler iteration: the lecture's four steps. Returns the requests retired in step 1."""
+        trace = StepTrace(step=self.num_steps, start_time=self.clock())
+        # 1. retire sequences that hit EOS / a stop id / max_tokens last step; their KV blocks go back
+        retired = self.scheduler.retire()
+        # 2. count free KV blocks
+        trace.num_free_blocks_before = self.block_manager.num_free_blocks
+        # 3. admit under the token budget (decodes first, then prefill chunks), preempting if blocks run out
+        out = self.scheduler.schedule()
+        self._trace_schedule(trace, out)
+        # 4. one forward over the flattened batch; sample; append
+        self._execute(out)
+        self.num_steps += 1
+        self.num_finished += len(retired)
+        self.peak_blocks_used = max(self.peak_blocks_used, trace.num_blocks_used)
+        trace.retired = [s.request_id for s in retired]
+        trace.wall_time_s = self.clock() - trace.start_time
+        self.busy_time_s += trace.wall_time_s
+        return [self._output(s) for s in retired], trace
+
+    def _execute(self, out: SchedulerOutput) -> None:
+        """Step 4: the swap copies, one forward over all scheduled tokens, sampling, appending."""
+        self.model_runner.swap_out(out.blocks_to_swap_out)   # before the forward overwrites those blocks
+        self.model_runner.swap_in(out.blocks_to_swap_in)
+        if not out.scheduled:
+            return
+        logits = self.model_runner.execute(out.scheduled)    # [rows, V]: sampling sequences (+ idle static rows)
+        rows = [item for item in out.scheduled if item.sample or item.idle]
+        sampling = [(r, item.seq) for r, item in enumerate(rows) if item.sample]
+        if len(sampling) < len(rows):
+            logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
+        seqs = [seq for _, seq in sampling]
+        tokens = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs]) if seqs else []
+        self.scheduler.update(out, {s.seq_id: t for s, t in zip(seqs, tokens)}, self.clock())
+        self.num_generated_tokens += len(tokens)
+
+    def _trace_schedule(self, trace: StepTrace, out: SchedulerOutput) -> None:
+        for item in out.scheduled:
+            rid = item.seq.request_id
+            trace.num_tokens[rid] = item.num_query_tokens
+            if item.idle:
+                trace.idle.append(rid)
+            elif item.seq.is_prefill:
+                trace.prefill[rid] = item.num_new_tokens
+            else:
+                trace.decode.append(rid)
+            trace.num_padded_tokens += item.num_query_tokens - (0 if item.idle else item.num_new_tokens)
+            self.num_computed_tokens += 0 if item.idle else item.num_new_tokens
+        trace.num_batched_tokens = out.num_batched_tokens
+        self.num_padded_tokens += trace.num_padded_tokens
+        trace.preempted = [s.request_id for s in out.preempted]
+        trace.swapped_in = [s.request_id for s in out.swapped_in]
+        trace.num_blocks_used, trace.num_blocks_free = self.block_manager.num_used_blocks, self.block_manager.num_free_blocks
+        sch = self.scheduler
+        trace.num_running, trace.num_waiting, trace.num_swapped = len(sch.running), len(sch.waiting), len(sch.swapped)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
+                                 list(seq.token_times), seq.num_preemptions)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
+                             [CompletionOutput(0, text, out_ids, seq.finish_reason)], True, metrics, seq.num_cached_tokens)
+
+    # ---- offline API -------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: list[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run `prompts` to completion; outputs in prompt order. All inputs are checked before any is queued."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        prompts = list(prompts)
+        n = len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * n
+        priority = [0] * n if priority is None else list(priority)
+        if len(params) != n or len(priority) != n:
+            raise ValueError(f"got {n} prompts, {len(params)} sampling_params and {len(priority)} priorities; give one each")
+        checked = [self._validate(p, sp, pr) for p, sp, pr in zip(prompts, params, priority)]
+        ids = [self._add(tok, text, sp, pr, None) for (tok, text), sp, pr in zip(checked, params, priority)]
+        pending, results = set(ids), {}
+        from tqdm.auto import tqdm
+        with tqdm(total=n, desc="generate", disable=not use_tqdm) as bar:
+            last_progress = self.clock()
+            while pending:
+                finished, trace = self.step()
+                for o in finished:
+                    if o.request_id in pending:
+                        pending.discard(o.request_id)
+                        results[o.request_id] = o
+                        bar.update(1)
+                if trace.num_batched_tokens or finished:
+                    last_progress = self.clock()
+                elif self.clock() - last_progress > 30 + self.scheduler.batch_window_s:
+                    raise RuntimeError("the scheduler made no progress for 30 s; this is a bug, please report it")
+                else:
+                    time.sleep(0.001)   # dynamic batching: waiting for the batch window to close
+        return [results[i] for i in ids]
+
+    def stats(self) -> dict:
+        bm, sch = self.block_manager, self.scheduler
+        busy = self.busy_time_s
+        return {
+            "num_requests": self.num_requests, "num_requests_finished": self.num_finished, "num_steps": self.num_steps,
+            "num_preemptions_total": sch.num_preemptions_total, "num_preemptions_recompute": sch.num_recomputes,
+            "num_preemptions_swap": sch.num_swaps,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "prefix_cache_queried_tokens": bm.num_queried_tokens,
+            "prefix_cache_hit_tokens": bm.num_hit_tokens, "prefix_cache_evictions": bm.num_evictions,
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks,
+            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks, "kv_cache_usage_peak": self.peak_blocks_used / bm.num_blocks,
+            "num_prompt_tokens": self.num_prompt_tokens, "num_generated_tokens": self.num_generated_tokens,
+            "num_computed_tokens": self.num_computed_tokens, "num_padded_tokens": self.num_padded_tokens,
+            "busy_time_s": busy, "throughput_tokens_per_s": self.num_generated_tokens / busy if busy else 0.0,
+        }
+
+
+def _resolve_model(model, tokenizer):
+    if isinstance(model, str):
+        try:
+            from llmso_lab.models import load_model
+        except ImportError:
+            load_model = None
+        if load_model is not None:
+            loaded, tok = load_model(model)
+            return loaded, tokenizer if tokenizer is not None else tok
+        if model == "tiny-llama":
+            from llmso_lab.models.tiny import tiny_llama
+            return tiny_llama(), tokenizer
+        raise ValueError(f"cannot load {model!r}: llmso_lab.models.load_model is not available yet")
+    if not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
+        raise ValueError(f"model must be a registry name or a Hugging Face PreTrainedModel, got {type(model).__name__}")
+    return model.eval(), tokenizer
+
+
+def _eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """EOS ids as Hugging Face `generate` uses them: generation_config, else config, else the tokenizer."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()

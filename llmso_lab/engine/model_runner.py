@@ -1,0 +1,238 @@
+"""Model runner: step 4 of the loop. Runs Hugging Face Llama-family weights itself on one flattened batch.
+
+Supported: Llama (SmolLM2), Mistral (sliding window), Qwen2 (q/k/v bias): embed -> L x [RMSNorm ->
+fused QKV -> RoPE -> paged-cache write -> attention -> o_proj -> residual -> RMSNorm -> fused gate/up ->
+SwiGLU -> down -> residual] -> RMSNorm -> LM head (tied or not). Weights are read once from the HF module
+(q/k/v and gate/up concatenated so each is a single matmul); the HF forward is never called.
+The KV cache is `[num_layers][num_blocks + 1, block_size, Hkv, D]` for K and for V; the extra last block
+is the null block that padding tokens write to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from llmso_lab.engine.attention import AttentionMetadata, make_attention_backend
+from llmso_lab.engine.scheduler import ScheduledSeq
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: Tensor            # [hidden]
+    qkv: Tensor                   # [hidden, (H + 2 Hkv) * D]: q, k, v projections in one matmul
+    qkv_bias: Tensor | None       # Qwen2
+    o: Tensor                     # [H * D, hidden]
+    o_bias: Tensor | None
+    post_norm: Tensor             # [hidden]
+    gate_up: Tensor               # [hidden, 2 * I]: gate and up projections in one matmul
+    gate_up_bias: Tensor | None
+    down: Tensor                  # [I, hidden]
+    down_bias: Tensor | None
+    sliding_window: int | None    # Mistral / Qwen2 sliding-window layers
+
+
+def _cat(*ts: Tensor | None) -> Tensor | None:
+    return None if ts[0] is None else torch.cat([t.detach() for t in ts]).contiguous()
+
+
+def _t(w: Tensor) -> Tensor:
+    """HF Linear weight [out, in] -> [in, out] contiguous: `x @ w` is then ~15% faster on CPU for few rows."""
+    return w.detach().t().contiguous()
+
+
+def linear(x: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [T, in] @ w_t [in, out] (+ bias) -> [T, out]."""
+    return x @ w_t if bias is None else torch.addmm(bias, x, w_t)
+
+
+def rope_cos_sin(config, max_positions: int) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_positions, D] in fp32, as HF's rotary embedding computes them."""
+    params = getattr(config, "rope_parameters", None)
+    if not params:   # transformers 4.x keeps them in rope_theta + rope_scaling
+        params = {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = 1.0
+    if rope_type == "llama3":   # Llama 3.1: stretch low frequencies by `factor`, blend the middle band
+        factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * torch.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+        inv_freq = torch.where(is_mid, smoothed, scaled)
+    elif rope_type != "default":   # linear, dynamic, yarn, longrope: use HF's own initialiser
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]    # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)                                      # [P, D]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale (the fused op is bitwise equal in fp32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x [T, heads, D], cos/signed_sin [T, 1, D]. HF's `x * cos + rotate_half(x) * sin` with
+    rotate_half(x) = cat(-x2, x1) = roll(x) * [-1.., +1..]: the sign lives in `signed_sin` (bitwise equal)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class ModelRunner:
+    def __init__(self, model, *, block_size: int, num_kv_blocks: int, num_swap_blocks: int = 0,
+                 max_model_len: int, attention_backend: str = "torch") -> None:
+        cfg = model.config
+        check_model_config(cfg)
+        self.num_layers, self.num_heads, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps, self.vocab_size = cfg.rms_norm_eps, cfg.vocab_size
+        self.dtype, self.device = model.get_input_embeddings().weight.dtype, model.get_input_embeddings().weight.device
+        self.block_size, self.null_block = block_size, num_kv_blocks
+        self.backend = make_attention_backend(attention_backend, num_heads=self.num_heads,
+                                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=block_size)
+        windows = sliding_windows(cfg, max_model_len)
+        with torch.no_grad():
+            self.layers = [self._load_layer(layer, w) for layer, w in zip(model.model.layers, windows)]
+            self.embed = model.get_input_embeddings().weight.detach()                  # [V, hidden]
+            self.final_norm = model.model.norm.weight.detach()
+            self.lm_head = _t(model.get_output_embeddings().weight)                   # [hidden, V] (a copy even when tied)
+            cos, sin = rope_cos_sin(cfg, max_model_len)
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)                   # signed for apply_rope
+            self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)   # [max_model_len, D]
+        shape = (self.num_layers, num_kv_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache, self.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        swap_shape = (self.num_layers, num_swap_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
+
+    @staticmethod
+    def _load_layer(layer, window: int | None) -> LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=_t(_cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)), qkv_bias=_cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
+            o=_t(a.o_proj.weight), o_bias=_cat(a.o_proj.bias),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=_t(_cat(m.gate_proj.weight, m.up_proj.weight)), gate_up_bias=_cat(m.gate_proj.bias, m.up_proj.bias),
+            down=_t(m.down_proj.weight), down_bias=_cat(m.down_proj.bias), sliding_window=window)
+
+    # ---- batch construction ------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """Flatten the scheduled sequences into one varlen batch (one-token sequences first)."""
+        bs, null_slot = self.block_size, self.null_block * self.block_size
+        ids, pos, slots, logit_rows = [], [], [], []
+        starts, qlens, ctxs, tables = [], [], [], []
+        for item in scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            if item.idle:   # static batching: a finished row is still computed, on a padding token
+                ctx, new, pad = start, [], 1
+            else:
+                ctx, pad = start + item.num_new_tokens, item.num_pad_tokens
+                new = range(start, ctx)
+                ids += seq.token_ids[start:ctx]
+                pos += new
+                table = seq.block_table
+                slots += [table[p // bs] * bs + p % bs for p in new]
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [null_slot] * pad
+            if item.sample or item.idle:   # logits of the last real token (idle rows: computed, then ignored)
+                logit_rows.append(len(ids) - 1 - (0 if item.idle else pad))
+            starts.append(start)
+            qlens.append(item.num_query_tokens)
+            ctxs.append(ctx)
+            tables.append(seq.block_table[:-(-ctx // bs)])
+        num_decodes = next((i for i, q in enumerate(qlens) if q != 1), len(qlens))
+        width = max(map(len, tables))
+        i32, i64, dev = torch.int32, torch.int64, self.device
+        block_tables = torch.tensor([t + [self.null_block] * (width - len(t)) for t in tables], dtype=i32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=i64, device=dev), block_tables=block_tables,
+            context_lens=torch.tensor(ctxs, dtype=i32, device=dev),
+            cu_seqlens_q=torch.tensor([0] + qlens, dtype=i32, device=dev).cumsum(0, dtype=i32),
+            cu_seqlens_k=torch.tensor([0] + ctxs, dtype=i32, device=dev).cumsum(0, dtype=i32),
+            num_decodes=num_decodes, max_seqlen_q=max(qlens), max_seqlen_k=max(ctxs),
+            start_positions=starts, query_lens=qlens, context_lens_host=ctxs)
+        return (torch.tensor(ids, dtype=i64, device=dev), torch.tensor(pos, dtype=i64, device=dev), meta,
+                torch.tensor(logit_rows, dtype=i64, device=dev))
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> Tensor:
+        """One forward over the scheduled batch. Returns fp32 logits [N, V], one row per sampling sequence
+        (and per idle static row), in the order of `scheduled`."""
+        return self.forward(*self.prepare(scheduled))
+
+    # ---- the forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor) -> Tensor:
+        T, H, Hkv, D = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.embedding(input_ids, self.embed)                               # [T, hidden]
+        cos = self.cos.index_select(0, positions)[:, None]                      # [T, 1, D]
+        sin = self.sin.index_select(0, positions)[:, None]
+        self.backend.plan(meta)
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w.input_norm, self.eps)
+            qkv = linear(x, w.qkv, w.qkv_bias)                               # [T, (H + 2 Hkv) * D]
+            qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)   # q and k heads in one go
+            q, k = qk[:, :H], qk[:, H:]                                      # [T, H, D], [T, Hkv, D]
+            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+            self.backend.store_kvcache(k, v, self.k_cache[i], self.v_cache[i], meta.slot_mapping)
+            o = self.backend.forward(q, k, v, self.k_cache[i], self.v_cache[i], meta, w.sliding_window)  # [T, H, D]
+            h = h + linear(o.reshape(T, H * D), w.o, w.o_bias)
+            x = rms_norm(h, w.post_norm, self.eps)
+            gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)     # [T, I] each
+            h = h + linear(F.silu(gate) * up, w.down, w.down_bias)
+        h = rms_norm(h.index_select(0, logits_indices), self.final_norm, self.eps)   # [N, hidden]
+        return linear(h, self.lm_head).float()                               # [N, V]
+
+    # ---- swapping ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to the swap pool: mapping [(device block, swap block)]."""
+        if mapping:
+            src, dst = (torch.tensor(x) for x in zip(*mapping))
+            for cache, pool in ((self.k_cache, self.k_swap), (self.v_cache, self.v_swap)):
+                pool.index_copy_(1, dst, cache.index_select(1, src.to(self.device)).cpu())
+
+    @torch.inference_mode()
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy swap blocks back to device blocks: mapping [(swap block, device block)]."""
+        if mapping:
+            src, dst = (torch.tensor(x) for x in zip(*mapping))
+            for cache, pool in ((self.k_cache, self.k_swap), (self.v_cache, self.v_swap)):
+                cache.index_copy_(1, dst.to(self.device), pool.index_select(1, src).to(self.device))
+
+
+def check_model_config(cfg) -> None:
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {cfg.model_type!r} is not supported; valid: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; the engine implements SwiGLU (silu)")
+
+
+def sliding_windows(cfg, max_model_len: int) -> list[int | None]:
+    """Per-layer sliding window (None = full attention); a window that covers max_model_len is dropped."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or window >= max_model_len:
+        return [None] * cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None)
+    return [window if t == "sliding_attention" else None for t in types] if types else [window] * cfg.num_hidden_layers
+
+
+def kv_cache_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * elem

@@ -1,0 +1,86 @@
+"""Sequence: the engine's state for one request (its tokens, its KV blocks, where it is in the queues)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from llmso_lab.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # in the waiting queue: new, or preempted by recompute (its KV was dropped)
+    RUNNING = "running"    # holds KV blocks and is scheduled step by step
+    SWAPPED = "swapped"    # preempted by swap: its KV blocks sit in the CPU swap pool
+    FINISHED = "finished"  # hit EOS / a stop id / max_tokens / max_model_len; retired at the next step
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request. `token_ids` is prompt + output; `num_computed_tokens` of them have KV in the cache.
+
+    The scheduler gives a sequence `num_tokens - num_computed_tokens` more tokens to compute: the whole
+    prompt (or a chunk of it) while prefilling, then exactly one token (the last sampled one) per decode step.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    prompt: str | None = None
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0       # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0         # of the prompt, found by prefix caching at the last admission
+    block_table: list[int] = field(default_factory=list)    # KV block ids (CPU swap ids while SWAPPED)
+    block_hashes: list[int] = field(default_factory=list)   # hash chain of the full computed blocks
+    finish_reason: str | None = None   # "stop" | "length"
+    num_preemptions: int = 0
+    num_waiting_steps: int = 0         # steps spent waiting after arrival (SJF aging)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while (re)computing a prompt: nothing sampled yet, or the KV was dropped by preemption."""
+        return self.num_output_tokens == 0 or self.num_computed_tokens < len(self.token_ids) - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now

@@ -1,0 +1,222 @@
+"""Paged KV block manager: ref-counted blocks, an LRU free list, prefix caching by hash chain, CPU swap.
+
+A block holds the K/V of `block_size` consecutive tokens of one sequence; a sequence's `block_table` lists
+its block ids in order, so token position p lives in slot `block_table[p // block_size] * block_size +
+p % block_size` of the paged cache `[num_blocks, block_size, Hkv, D]`. vLLM's verbs:
+
+- `can_allocate` / `allocate`: admit a waiting sequence (reusing cached prefix blocks when possible);
+- `may_append` / `append_slot`: grow a running sequence by the tokens it computes this step;
+- `free`: return a finished or preempted sequence's blocks;
+- `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back.
+
+Prefix caching: once a FULL block's K/V is computed, it gets `hash((parent block's hash, its token ids))`,
+a name for the whole prefix up to the end of that block. A later sequence whose tokens start with the same
+blocks shares them (ref_count += 1) instead of recomputing them. A freed block keeps its hash and stays
+in the free list, still reusable on a hit, until an allocation takes it (LRU eviction: the free list is
+ordered least recently freed first, and blocks without a hash are put at its front so they go first).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Sequence as Seq
+
+if TYPE_CHECKING:
+    from llmso_lab.engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None            # set when the block is full and computed (prefix caching)
+    token_ids: tuple[int, ...] = ()    # its tokens, checked on a hit to rule out hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_swap_blocks: int = 0) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = reuse first
+        self.hash_to_block_id: dict[int, int] = {}
+        self.num_swap_blocks = num_swap_blocks
+        self.free_swap_ids: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        self.num_queried_tokens = 0    # prefix-cache statistics, in tokens, counted at admission
+        self.num_hit_tokens = 0
+        self.num_evictions = 0
+
+    # ---- counters ------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now, including freed blocks that still cache a prefix."""
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_block_ids if self.blocks[b].hash is not None)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    # ---- block-level primitives ----------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed first
+        block = self.blocks[block_id]
+        assert block.ref_count == 0, f"block {block_id} on the free list has ref_count {block.ref_count}"
+        if block.hash is not None:   # evict the prefix it cached
+            del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = None, ()
+            self.num_evictions += 1
+        block.ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None                      # most recently used end
+            if block.hash is None:                                    # caches nothing: reuse it first
+                self.free_block_ids.move_to_end(block_id, last=False)
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
+
+    # ---- admission ---------------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the start of `seq.token_ids` (a lookup; changes nothing).
+
+        At most `num_tokens - 1` tokens are taken from the cache: the last token must be computed to get
+        logits to sample from, so a fully cached prompt recomputes its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs, hits, parent = self.block_size, [], None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(parent, tokens)
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> bool:
+        """Can `seq` (no blocks yet) get the cached `computed_blocks` plus blocks for `num_new_tokens` more?"""
+        needed = cdiv(len(computed_blocks) * self.block_size + num_new_tokens, self.block_size) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)  # they leave the free list
+        return needed + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> None:
+        """Give a waiting sequence its cached prefix blocks and fresh blocks for `num_new_tokens` tokens."""
+        assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
+        assert self.can_allocate(seq, num_new_tokens, computed_blocks)
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks) * self.block_size
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += seq.num_cached_tokens
+        self.append_slot(seq, num_new_tokens)
+
+    # ---- growth ------------------------------------------------------------------------------
+    def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        """Are there enough free blocks for `seq` to compute `num_new_tokens` more tokens?"""
+        return self._blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def append_slot(self, seq: Sequence, num_new_tokens: int = 1) -> None:
+        """Grow `seq.block_table` to cover its next `num_new_tokens` tokens."""
+        needed = self._blocks_needed(seq, num_new_tokens)
+        assert needed <= self.num_free_blocks, "call may_append first"
+        seq.block_table.extend(self._take_free_block() for _ in range(needed))
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash each block of `seq` that is now full and computed, so later sequences can share it."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.hash_to_block_id:   # a duplicate stays private
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block_id[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of `seq`'s blocks. Last blocks first, so the prefix blocks stay cached longest."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+
+    # ---- swapping (preemption_mode="swap") ----------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.free_swap_ids)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq` to the CPU pool. Returns (device block, swap block) copies to do before the next forward."""
+        assert self.can_swap_out(seq)
+        mapping = [(block_id, self.free_swap_ids.pop()) for block_id in seq.block_table]
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = [swap_id for _, swap_id in mapping]
+        return mapping
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        extra = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
+        return len(seq.block_table) + extra <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring `seq` back from the CPU pool. Returns (swap block, device block) copies."""
+        assert len(seq.block_table) <= self.num_free_blocks
+        mapping = [(swap_id, self._take_free_block()) for swap_id in seq.block_table]
+        self.free_swap_ids.extend(swap_id for swap_id, _ in reversed(mapping))
+        seq.block_table = [block_id for _, block_id in mapping]
+        seq.block_hashes.clear()   # re-hashed (and re-shared) by cache_full_blocks after its next step
+        return mapping
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_invariants(self, holders: Iterable[Sequence] = (), swapped: Iterable[Sequence] = ()) -> None:
+        """Assert the bookkeeping is consistent. `holders`: every sequence holding device blocks."""
+        free = set(self.free_block_ids)
+        assert len(free) == len(self.free_block_ids)
+        refs = [0] * self.num_blocks
+        for seq in holders:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} holders"
+            assert (block.ref_count == 0) == (block.block_id in free), f"block {block.block_id} free-list mismatch"
+        for h, block_id in self.hash_to_block_id.items():
+            assert self.blocks[block_id].hash == h
+        swap_ids = [i for seq in swapped for i in seq.block_table]
+        assert len(set(swap_ids) | set(self.free_swap_ids)) == len(swap_ids) + len(self.free_swap_ids) == self.num_swap_blocks
