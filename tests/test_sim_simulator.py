@@ -222,3 +222,24 @@ def test_hand_grids_match_the_simulator_and_the_lecture():
     # each request occupies exactly as many cells as it has tokens
     assert [(cont == r).sum() for r in range(7)] == lens
     assert continuous_slot_grid([], 2).shape == (2, 0)
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_engine_traces_draw_the_hand_grids(batching):
+    """The real engine (a tiny model) makes the same slot grid as the hand-built ones (Lab 01)."""
+    from llmso_lab.engine import LLM, SamplingParams
+    from llmso_lab.models import tiny_llama
+    from llmso_lab.sim.grid import (LECTURE_OUTPUT_LENS, LECTURE_WAITING_LENS, continuous_slot_grid,
+                                    static_slot_grid, trace_slot_grid)
+
+    lens = list(LECTURE_OUTPUT_LENS + LECTURE_WAITING_LENS)
+    llm = LLM(tiny_llama(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, max_position_embeddings=64),
+              batching=batching, max_num_seqs=4)
+    for i, n in enumerate(lens):
+        llm.add_request([5 + i] * (3 + i), SamplingParams(max_tokens=n, ignore_eos=True))
+    traces = []
+    while llm.has_unfinished_requests():
+        traces.append(llm.step()[1])
+    want = (static_slot_grid if batching == "static" else continuous_slot_grid)(lens, 4)
+    np.testing.assert_array_equal(trace_slot_grid(traces, 4), want)
+    np.testing.assert_array_equal(trace_slot_grid(traces), want)

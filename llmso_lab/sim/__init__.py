@@ -1,8 +1,10 @@
 """Serving simulator: a roofline cost model of one engine step and a discrete-event engine on top."""
+from llmso_lab.sim.budget import plan_token_budget, prefill_chunk
 from llmso_lab.sim.calibrate import calibrate, cpu_profile, relative_errors
+from llmso_lab.sim.calibrate import EngineRun, EngineStepRecord, records_from_engine_traces, run_on_engine
 from llmso_lab.sim.cost import CostModel, StepBreakdown, StepCost, UnitCost
 from llmso_lab.sim.grid import (continuous_slot_grid, lecture_requests, lecture_slot_grids, slot_utilization,
-                                static_slot_grid)
+                                static_slot_grid, trace_slot_grid)
 from llmso_lab.sim.policies import pick_victim, policy_key
 from llmso_lab.sim.preemption import PreemptionCosts, preemption_costs
 from llmso_lab.sim.results import RequestMetrics, SimResult, SimStep
@@ -11,5 +13,6 @@ from llmso_lab.sim.simulator import SimConfig, simulate
 __all__ = [
     "CostModel", "StepCost", "StepBreakdown", "UnitCost", "cpu_profile", "calibrate", "relative_errors",
     "SimConfig", "simulate", "SimResult", "SimStep", "RequestMetrics", "policy_key", "pick_victim",
-    "lecture_requests", "lecture_slot_grids", "static_slot_grid", "continuous_slot_grid", "slot_utilization", "PreemptionCosts", "preemption_costs",
+    "lecture_requests", "lecture_slot_grids", "static_slot_grid", "continuous_slot_grid", "slot_utilization", "trace_slot_grid", "PreemptionCosts", "preemption_costs",
+    "plan_token_budget", "prefill_chunk", "EngineStepRecord", "records_from_engine_traces", "EngineRun", "run_on_engine",
 ]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -17,7 +18,8 @@ from llmso_lab.hardware import Accelerator, measure_cpu
 from llmso_lab.models.shapes import SMOLLM2_135M, ModelShape
 from llmso_lab.sim.cost import StepCost
 
-__all__ = ["cpu_profile", "calibrate", "relative_errors", "as_record"]
+__all__ = ["cpu_profile", "calibrate", "relative_errors", "as_record", "EngineStepRecord", "records_from_engine_traces",
+           "EngineRun", "run_on_engine"]
 
 Record = tuple[int, int, int, float]  # (num_prefill_tokens, num_decode_seqs, sum_context_len, seconds)
 
@@ -89,3 +91,102 @@ def relative_errors(cost: StepCost, records: Iterable[Any]) -> np.ndarray:
     pred = np.array([cost.time_of(*cost.count_work(p, d, c, ps)) for p, d, c, _, ps in rows])
     meas = np.array([r[3] for r in rows])
     return (pred - meas) / meas
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStepRecord:
+    """One measured engine step in the form `calibrate` fits (`as_record` reads these fields)."""
+
+    step: int
+    num_prefill_tokens: int    # prompt tokens computed (static batching: padding included)
+    num_prefill_seqs: int
+    num_decode_seqs: int       # one-token rows (static batching: idle rows included)
+    sum_context_len: int       # KV tokens attended, summed over the step's sequences
+    seconds: float             # the step's wall time (scheduling, forward, sampling)
+
+
+def records_from_engine_traces(traces: Iterable[Any], num_cached_tokens: Mapping[str, int] | None = None,
+                               skip_first: int = 0) -> list[EngineStepRecord]:
+    """Turn `LLM.step()` trace records (in step order, one engine run) into calibration records.
+
+    A trace says who prefilled how many tokens and who decoded, not how long each context was, so this
+    replays the steps and tracks every request's computed tokens: a prefill chunk of n tokens attends to
+    the tokens already computed plus its own n, a decode to everything computed plus itself. A request
+    preempted by recompute starts again from 0; one that comes back through `swapped_in` keeps its KV.
+    num_cached_tokens: prefix-cache hits per request id (`RequestOutput.num_cached_tokens`), when the
+        engine ran with prefix caching; their tokens count as already computed.
+    skip_first: drop the first steps (warm-up: the first forward pays one-off allocation costs).
+    Steps that computed nothing are dropped.
+    """
+    cached = dict(num_cached_tokens or {})
+    computed: dict[str, int] = {}
+    preempted: set[str] = set()
+    records = []
+    for i, tr in enumerate(traces):
+        swapped_in = set(tr.swapped_in)
+        for rid in list(tr.prefill) + list(tr.decode):
+            if rid in preempted:
+                preempted.discard(rid)
+                if rid not in swapped_in:            # recompute: the KV was dropped
+                    computed[rid] = 0
+        ctx, pre_tokens = 0, 0
+        for rid, n in tr.prefill.items():
+            start = computed.get(rid, cached.get(rid, 0))
+            pre_tokens += tr.num_tokens.get(rid, n)
+            ctx += start + n
+            computed[rid] = start + n
+        for rid in tr.decode:
+            ctx += computed.get(rid, 0) + 1
+            computed[rid] = computed.get(rid, 0) + 1
+        for rid in tr.idle:
+            ctx += computed.get(rid, 0)
+        preempted.update(tr.preempted)
+        if (tr.prefill or tr.decode or tr.idle) and i >= skip_first:
+            records.append(EngineStepRecord(tr.step, pre_tokens, len(tr.prefill), len(tr.decode) + len(tr.idle), ctx,
+                                            float(tr.wall_time_s)))
+    return records
+
+
+@dataclass(slots=True)
+class EngineRun:
+    """What `run_on_engine` measured."""
+
+    outputs: list[Any]         # RequestOutput per request, in workload order
+    traces: list[Any]          # StepTrace per step
+    wall_s: float              # first step to last step
+    num_output_tokens: int
+
+    @property
+    def output_throughput(self) -> float:
+        """Generated tokens per second of wall time (compare with `SimResult.output_throughput`)."""
+        return self.num_output_tokens / self.wall_s
+
+
+def run_on_engine(llm: Any, requests: Iterable[Any], seed: int = 0, replay_arrivals: bool = False) -> EngineRun:
+    """Run a workload (`llmso_lab.workloads.Request`s) through an engine `LLM`: random prompt token ids of
+    each prompt_len, exactly output_len tokens each (EOS ignored). With `replay_arrivals` the requests
+    arrive at their arrival times on the engine clock; otherwise all at once (an offline batch)."""
+    import time
+
+    from llmso_lab.engine import SamplingParams   # the simulator itself does not need the engine
+
+    reqs = list(requests)
+    rng = np.random.default_rng(seed)
+    vocab = llm.model_runner.vocab_size
+    t0 = llm.clock()
+    ids = []
+    for r in reqs:
+        prompt = {"prompt_token_ids": rng.integers(16, vocab, size=r.prompt_len).tolist()}
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+        ids.append(llm.add_request(prompt, params, priority=r.priority,
+                                   arrival_time=t0 + r.arrival_time if replay_arrivals else None))
+    done, traces = {}, []
+    while llm.has_unfinished_requests():
+        finished, trace = llm.step()
+        traces.append(trace)
+        if not trace.num_batched_tokens and not finished:
+            time.sleep(0.001)                         # waiting for the next arrival
+        done.update({o.request_id: o for o in finished})
+    wall = llm.clock() - t0
+    outs = [done[i] for i in ids]
+    return EngineRun(outs, traces, wall, sum(len(o.outputs[0].token_ids) for o in outs))

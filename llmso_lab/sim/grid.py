@@ -13,7 +13,7 @@ from llmso_lab.sim.simulator import simulate
 from llmso_lab.workloads import Request
 
 __all__ = ["LECTURE_OUTPUT_LENS", "LECTURE_WAITING_LENS", "lecture_requests", "lecture_slot_grids",
-           "static_slot_grid", "continuous_slot_grid", "slot_utilization"]
+           "static_slot_grid", "continuous_slot_grid", "slot_utilization", "trace_slot_grid"]
 
 LECTURE_OUTPUT_LENS = (7, 3, 4, 2)     # the first batch
 LECTURE_WAITING_LENS = (5, 4, 3)       # queued behind it
@@ -80,3 +80,31 @@ def slot_utilization(grid: np.ndarray) -> float:
     """Busy cells / all cells of a slot grid (the lecture's 16 / 28 for static batching)."""
     grid = np.asarray(grid)
     return float((grid >= 0).sum() / grid.size) if grid.size else float("nan")
+
+
+def trace_slot_grid(traces, num_slots: int | None = None) -> np.ndarray:
+    """The slot grid of a real engine run, from the `StepTrace` records `LLM.step()` returns.
+
+    A request takes the lowest free slot the first step it is scheduled and keeps it until it is retired
+    (or preempted). A cell holds the request id (as an int) when the request prefilled or decoded in that
+    step, -1 when the slot was empty or idle (a finished row of a static batch, still computed). Steps that
+    ran no forward (they only retired requests) are skipped. Returns [num_slots, steps] ints.
+    """
+    holder: dict[str, int] = {}   # request id -> slot
+    columns = []
+    for tr in traces:
+        for rid in [*tr.retired, *tr.preempted]:
+            holder.pop(rid, None)
+        if not tr.num_tokens:
+            continue
+        for rid in tr.num_tokens:   # scheduling order: running rows first, then newly admitted ones
+            if rid not in holder:
+                taken = set(holder.values())
+                holder[rid] = next(i for i in range(len(holder) + 1) if i not in taken)
+        columns.append({holder[rid]: int(rid) for rid in [*tr.prefill, *tr.decode]})
+    rows = num_slots if num_slots is not None else 1 + max((s for col in columns for s in col), default=-1)
+    grid = np.full((rows, len(columns)), -1, dtype=int)
+    for j, col in enumerate(columns):
+        for slot, rid in col.items():
+            grid[slot, j] = rid
+    return grid

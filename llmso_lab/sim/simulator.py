@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from llmso_lab.sim.budget import prefill_chunk
 from llmso_lab.sim.cost import CostModel
 from llmso_lab.sim.policies import POLICIES, pick_victim, policy_key
 from llmso_lab.sim.results import RequestMetrics, SimResult, SimStep
@@ -189,9 +190,8 @@ class _Simulator:
         for seq in sorted(self.running, key=lambda s: (s.len - s.num_computed > 1, self._key(s))):
             if seq.status != "running" or budget == 0:
                 continue
-            left = seq.len - seq.num_computed
-            n = min(left, budget)
-            if n < left and not cfg.enable_chunked_prefill:
+            n = prefill_chunk(seq.len - seq.num_computed, budget, cfg.enable_chunked_prefill)
+            if n == 0:
                 continue
             need = self._blocks_for(seq.num_computed + n) - seq.blocks
             while need > self.free_blocks:       # preempt by policy until the blocks fit
@@ -211,9 +211,8 @@ class _Simulator:
         for seq in queue if not preempted else []:
             if budget == 0 or len(self.running) == cfg.max_num_seqs:
                 break
-            left = seq.len - seq.num_computed
-            n = min(left, budget)
-            if n < left and not cfg.enable_chunked_prefill:
+            n = prefill_chunk(seq.len - seq.num_computed, budget, cfg.enable_chunked_prefill)
+            if n == 0:
                 break
             blocks = self._blocks_for(seq.num_computed + n)
             if blocks > self.free_blocks:

@@ -1,0 +1,66 @@
+"""Lab 02 (scheduling) exercises and their public checks.
+
+References: `llmso_lab.sim.budget:plan_token_budget` (the decode-first token budget) and
+`llmso_lab.sim.policies` (`pick_victim`, `policy_key`). The policy exercises take plain data (lists of
+dicts), so their expected values come from small oracles below that wrap the library's policy code.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from llmso_lab.grading.compare import exact
+from llmso_lab.grading.registry import Case, Exercise, register
+from llmso_lab.sim.policies import pick_victim, policy_key
+
+same = exact()
+
+
+def _as_seqs(rows: list[dict]) -> list[SimpleNamespace]:
+    """Dict rows -> objects with the attributes the policies read (the list position is `index`)."""
+    return [SimpleNamespace(request_id=r["request_id"], arrival_time=r["arrival_time"], priority=r.get("priority", 0),
+                            predicted_len=r.get("predicted_len", 0), index=i) for i, r in enumerate(rows)]
+
+
+def victim_oracle(running: list[dict], policy: str, now: float = 0.0, aging: float = 0.0):
+    """request_id that `pick_victim` preempts among `running` (None when nothing runs)."""
+    seqs = _as_seqs(running)
+    return pick_victim(seqs, policy, now, aging).request_id if seqs else None
+
+
+def sjf_oracle(queue: list[dict], now: float = 0.0, aging: float = 0.0) -> list:
+    """request_ids of `queue` in the order SJF with aging serves them (`policy_key(..., "sjf")`)."""
+    return [s.request_id for s in sorted(_as_seqs(queue), key=lambda s: policy_key(s, "sjf", now, aging))]
+
+
+def req(rid, arrival: float, priority: int = 0, predicted_len: float = 0) -> dict:
+    return {"request_id": rid, "arrival_time": arrival, "priority": priority, "predicted_len": predicted_len}
+
+
+_running = [req("a", 0.0, 1, 300), req("b", 2.0, 0, 20), req("c", 1.0, 2, 80), req("d", 0.5, 1, 120)]
+_sjf_queue = [req(0, 0.0, predicted_len=500), req(1, 4.0, predicted_len=50), req(2, 6.0, predicted_len=200),
+              req(3, 7.0, predicted_len=50)]
+
+register(
+    Exercise("plan_token_budget", "02", 45, "llmso_lab.sim.budget:plan_token_budget", [
+        Case("3 decodes, then prompts chunked into the leftover 29 tokens",
+             (["d1", "d2", "d3"], [("a", 10), ("b", 100), ("c", 5)], 32), compare=same),
+        Case("chunked prefill off: 'b' does not fit whole, and 'c' may not jump the queue",
+             (["d1"], [("a", 10), ("b", 100), ("c", 5)], 32), {"enable_chunked_prefill": False}, compare=same),
+        Case("max_num_seqs=3 caps the batch", ([0, 1], [("p", 3), ("q", 3)], 100), {"max_num_seqs": 3}, compare=same),
+        Case("no decodes: a 2048-token budget over a long prompt", ([], [("long", 5000), ("short", 8)], 2048),
+             compare=same),
+    ], tripwires=("llmso_lab.sim.budget:prefill_chunk",),
+        description="one step's decode-first token budget: decodes take 1 token each, prefills chunk the rest"),
+    Exercise("choose_victim", "02", 25, "llmso_lab.sim.policies:pick_victim", [
+        Case("fcfs preempts the latest arrival", (_running, "fcfs"), compare=same),
+        Case("priority preempts the largest (priority, arrival)", (_running, "priority"), compare=same),
+        Case("sjf preempts the longest predicted job", (_running, "sjf"), compare=same),
+    ], oracle="llmso_lab.grading.specs.lab02:victim_oracle", tripwires=("llmso_lab.sim.policies:policy_key",),
+        description="which running request to preempt when KV blocks run out, by policy"),
+    Exercise("sjf_order", "02", 30, "llmso_lab.sim.policies:policy_key", [
+        Case("no aging: shortest predicted output first, ties by arrival", (_sjf_queue,), {"now": 8.0}, compare=same),
+        Case("aging 40 tokens/s at t=8: the 500-token job has waited 8 s and moves up", (_sjf_queue,),
+             {"now": 8.0, "aging": 40.0}, compare=same),
+    ], oracle="llmso_lab.grading.specs.lab02:sjf_oracle", tripwires=("llmso_lab.sim.policies:pick_victim",),
+        description="the order in which shortest-job-first with aging serves a waiting queue"),
+)
