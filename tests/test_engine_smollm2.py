@@ -17,9 +17,9 @@ CHATS = [
 def smollm2():
     """(model, tokenizer, chat prompt ids, HF greedy answers)."""
     from llmso_lab.engine.hf_reference import hf_greedy
+    from llmso_lab.models import load_model
 
-    registry = pytest.importorskip("llmso_lab.models.registry", reason="llmso_lab.models.load_model is not available yet")
-    model, tok = registry.load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m")
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True)["input_ids"]) for c in CHATS]
     eos = model.generation_config.eos_token_id

@@ -99,10 +99,15 @@ def _run_child(ex: Exercise, source: str, timeout_s: float) -> tuple[dict | None
         return state, how
 
 
-def grade_exercise(ex: Exercise, nb, timeout_s: float | None = None, expected: list | None = None) -> ExerciseResult:
+_FIND = object()
+
+
+def grade_exercise(ex: Exercise, nb, timeout_s: float | None = None, expected: list | None = None,
+                   source: str | None | object = _FIND) -> ExerciseResult:
+    """Grade one exercise. `source`: its cell (None: no cell defines it), when the caller looked already."""
     t0 = time.perf_counter()
     total = len(ex.cases)
-    source = exercise_cell_source(nb, ex.name)
+    source = exercise_cell_source(nb, ex.name) if source is _FIND else source
     if source is None:
         return ExerciseResult(ex, 0.0, 0, total, [f"no code cell defines `{ex.name}` (was the exercise cell deleted "
                                                   f"or the function renamed?)"], time.perf_counter() - t0)
@@ -168,8 +173,11 @@ def grade_notebook(path: str | Path, lab: str | None = None, only: list[str] | N
     if only:
         exs = [e for e in exs if e.name in only]
     workers = workers or max(1, min(2, os.cpu_count() or 1))
+    # Find the cells here, in one thread: CPython 3.11's ast.parse is not thread-safe ("AST constructor
+    # recursion depth mismatch"). The threads below only wait on child processes.
+    sources = {e.name: exercise_cell_source(nb, e.name) for e in exs}
     with ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(lambda e: grade_exercise(e, nb, timeout_s), exs))
+        results = list(pool.map(lambda e: grade_exercise(e, nb, timeout_s, source=sources[e.name]), exs))
     return {
         "score": round(sum(r.score for r in results), 2),
         "max_score": float(sum(e.points for e in exs)),
