@@ -1,0 +1,193 @@
+"""Benchmark for lecture 1-1: static vs continuous batching on a real model (SmolLM2-135M, fp32, CPU).
+
+`run(quick)` returns {"name", "table", "ratios", "device", "date", "command", ...} (see bench/attention.py).
+One offline workload (all requests arrive at t = 0; prompts 32-512 tokens, outputs 16-256, EOS ignored)
+goes through, with the same max batch size everywhere:
+
+- engine continuous  `LLM(batching="continuous")`: iteration-level scheduling;
+- engine static      `LLM(batching="static")`: batches of `max_num_seqs` in arrival order, padded prompts,
+                     finished rows keep (and pay for) their slot until the batch's longest row is done;
+- HF static          Hugging Face `generate` on the same padded batches (left padding, attention mask,
+                     max_new_tokens = min_new_tokens = the batch's longest request): only the tokens each
+                     request asked for count as useful output.
+
+Then batch-1 decode speed (tokens/s after the first token) of the engine vs `generate`, printed beside
+the memory-bandwidth ceiling of this machine (every decode step reads all fp32 weights once).
+Ratios (same run): continuous_vs_static, continuous_vs_hf_static (output tokens/s), batch1_vs_hf.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from llmso_lab import hardware as hw
+from llmso_lab.bench.attention import _device_name
+from llmso_lab.workloads import Request, make_workload, percentiles
+
+__all__ = ["run", "workload"]
+
+FULL = dict(num_requests=64, prompt_len=(32, 512), output_len=(16, 256), max_num_seqs=16, batch1_tokens=64)
+QUICK = dict(num_requests=16, prompt_len=(32, 256), output_len=(16, 96), max_num_seqs=8, batch1_tokens=32)
+
+
+def workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
+             seed: int = 0) -> tuple[list[Request], list[list[int]]]:
+    """The requests and their prompt token ids (seeded random ids; with EOS ignored the text does not matter)."""
+    reqs = make_workload(num_requests, prompt_len=prompt_len, output_len=output_len, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab_size, (r.prompt_len,), generator=g).tolist() for r in reqs]
+    return reqs, prompts
+
+
+def _latency_row(name: str, out_tokens: int, seconds: float, ttft: list[float], e2e: list[float], **extra) -> dict:
+    t, e = percentiles(ttft, (50, 99)), percentiles(e2e, (50, 99))
+    return {"system": name, "requests": len(e2e), "output_tokens": out_tokens, "seconds": round(seconds, 2),
+            "output_tok_s": round(out_tokens / seconds, 1), "ttft_p50_s": round(t["p50"], 2),
+            "ttft_p99_s": round(t["p99"], 2), "e2e_p50_s": round(e["p50"], 2), "e2e_p99_s": round(e["p99"], 2), **extra}
+
+
+def _engine(model, tokenizer, batching: str, reqs, prompts, max_num_seqs: int, max_model_len: int) -> dict:
+    from llmso_lab.engine import LLM, SamplingParams
+
+    llm = LLM(model, tokenizer, batching=batching, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    seconds = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n == sum(r.output_len for r in reqs), "the engine must make exactly the requested tokens"
+    st = llm.stats()
+    return _latency_row(f"engine {batching}", n, seconds, [o.metrics.ttft for o in outs], [o.metrics.e2e for o in outs],
+                        padded_tokens=st["num_padded_tokens"])
+
+
+class _StepClock:
+    """A logits processor that only records when each generation step happens."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@torch.inference_mode()
+def _hf_generate(model, batch: list[list[int]], new_tokens: int, pad_id: int) -> list[float]:
+    """Greedy `generate` of a left-padded batch, exactly `new_tokens` tokens per row. Returns step times."""
+    from transformers import LogitsProcessorList
+
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    clock = _StepClock()
+    model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]),
+                   top_k=None, top_p=None, temperature=None)
+    return clock.times
+
+
+def _hf_static(model, reqs, prompts, max_num_seqs: int, pad_id: int) -> dict:
+    ttft, e2e, useful = [], [], 0
+    t0 = time.perf_counter()
+    for first in tqdm(range(0, len(reqs), max_num_seqs), desc="HF generate (static batches)"):
+        rs = reqs[first:first + max_num_seqs]
+        times = _hf_generate(model, prompts[first:first + max_num_seqs], max(r.output_len for r in rs), pad_id)
+        done = time.perf_counter()
+        ttft += [times[0] - t0] * len(rs)   # every request arrived at t0
+        e2e += [done - t0] * len(rs)         # a static batch returns all its rows together
+        useful += sum(r.output_len for r in rs)
+    return _latency_row("HF generate static", useful, time.perf_counter() - t0, ttft, e2e)
+
+
+def _batch1(model, tokenizer, prompt: list[int], new_tokens: int, pad_id: int, max_model_len: int) -> tuple[float, float]:
+    """Decode tokens/s at batch 1 (after the first token) of the engine and of HF `generate`."""
+    from llmso_lab.engine import LLM, SamplingParams
+
+    llm = LLM(model, tokenizer, max_num_seqs=1, max_model_len=max_model_len)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+                       use_tqdm=False)[0]
+    ts = out.metrics.token_times
+    engine = (len(ts) - 1) / (ts[-1] - ts[0])
+    ts = _hf_generate(model, [prompt], new_tokens, pad_id)
+    return engine, (len(ts) - 1) / (ts[-1] - ts[0])
+
+
+def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int | None = None,
+        max_num_seqs: int | None = None, prompt_len: tuple[int, int] | None = None,
+        output_len: tuple[int, int] | None = None, batch1_tokens: int | None = None,
+        measure_seconds: float | None = None) -> dict:
+    """Run the batching benchmark (quick=True: 16 requests, batch 8, about a minute on 2 cores).
+
+    The keyword arguments override the workload (the tests use `model="tiny-llama"` and a few requests).
+    """
+    from llmso_lab.models import load_model
+
+    cfg = dict(QUICK if quick else FULL)
+    for k, v in dict(num_requests=num_requests, max_num_seqs=max_num_seqs, prompt_len=prompt_len,
+                     output_len=output_len, batch1_tokens=batch1_tokens).items():
+        if v is not None:
+            cfg[k] = v
+    net, tokenizer = load_model(model)
+    pad_id = net.config.pad_token_id if net.config.pad_token_id is not None else 0
+    reqs, prompts = workload(cfg["num_requests"], cfg["prompt_len"], cfg["output_len"], net.config.vocab_size)
+    max_model_len = min(net.config.max_position_embeddings, cfg["prompt_len"][1] + cfg["output_len"][1] + 16)
+    B = cfg["max_num_seqs"]
+    # warm up both code paths outside the timed runs: first-call allocations and the first large prefill
+    # (a full batch of prompts) cost seconds once
+    warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:B])]
+    _engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len)
+    _hf_generate(net, prompts[:B], 2, pad_id)
+
+    phases = ["engine continuous", "engine static", "HF generate static", "batch-1 decode", "memory bandwidth"]
+    table = []
+    with tqdm(total=len(phases), desc="bench batching") as bar:
+        for batching in ("continuous", "static"):
+            bar.set_postfix_str(f"engine {batching}")
+            table.append(_engine(net, tokenizer, batching, reqs, prompts, B, max_model_len))
+            bar.update()
+        bar.set_postfix_str("HF generate")
+        table.append(_hf_static(net, reqs, prompts, B, pad_id))
+        bar.update()
+        bar.set_postfix_str("batch 1")
+        n1 = cfg["batch1_tokens"]
+        eng1, hf1 = _batch1(net, tokenizer, prompts[0][:32], n1, pad_id, max_model_len)
+        bar.update()
+        bar.set_postfix_str("memory bandwidth")
+        cpu = hw.measure_cpu(seconds=measure_seconds if measure_seconds is not None else (1.0 if quick else 2.0))
+        bar.update()
+    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())   # tied head counted once
+    c = net.config
+    kv_per_token = hw.kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads,
+                                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, 4)
+    ceiling = hw.decode_tokens_per_s_bound(weight_bytes, cpu.mem_bandwidth, 1, 32 + n1 // 2, kv_per_token)
+    table += [
+        {"system": "engine batch-1 decode", "decode_tok_s": round(eng1, 1),
+         "of_ceiling": round(eng1 / ceiling, 2)},
+        {"system": "HF generate batch-1 decode", "decode_tok_s": round(hf1, 1), "of_ceiling": round(hf1 / ceiling, 2)},
+        {"system": "memory-bandwidth ceiling, batch 1", "decode_tok_s": round(ceiling, 1), "of_ceiling": 1.0,
+         "note": f"{weight_bytes / 1e6:.0f} MB fp32 weights at {cpu.mem_bandwidth / 1e9:.1f} GB/s (measured copy)"},
+    ]
+    tok_s = {r["system"]: r["output_tok_s"] for r in table if "output_tok_s" in r}
+    ratios = {
+        "continuous_vs_static": round(tok_s["engine continuous"] / tok_s["engine static"], 2),
+        "continuous_vs_hf_static": round(tok_s["engine continuous"] / tok_s["HF generate static"], 2),
+        "batch1_vs_hf": round(eng1 / hf1, 2),
+    }
+    return {"name": "batching", "table": table, "ratios": ratios, "device": _device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "llmso-lab bench batching" + (" --quick" if quick else ""),
+            "model": model, "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+            "memory_bandwidth_GB_s": round(cpu.mem_bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
+            "batch1_ceiling_tok_s": round(ceiling, 1), "load_avg": [round(x, 2) for x in os.getloadavg()],
+            "note": "CPU figures; the machine may be shared with other jobs (see load_avg)."}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import json
+
+    print(json.dumps(run(quick=True), indent=1))
