@@ -1,7 +1,9 @@
 """`make demo` / `llmso-lab demo`: the real model, this machine's roofline, and the lecture's slot grid.
 
-Prints the ceilings, answers a chat prompt with SmolLM2 (tqdm bar over generated tokens) and writes
-plots to `out/demo/`. Later issues grow it into the engine demo (HF static batching vs the engine).
+Prints the ceilings, answers a chat prompt with SmolLM2 (tqdm bar over generated tokens), then runs one
+small workload through Hugging Face static batching, the engine's static batching and the engine's
+continuous batching (table: throughput, TTFT/E2E p50/p99, padding), and writes plots to `out/demo/`:
+roofline, the lecture's slot grids, the engine's real slot grids and the latency CDFs.
 """
 from __future__ import annotations
 
@@ -80,5 +82,32 @@ def run_demo(out_dir: Path = Path("out/demo")) -> int:
     grids = lecture_slot_grids()
     plot_slot_grid(grids["static"], "Static batching").savefig(out_dir / "slot_grid_static.png", dpi=120)
     plot_slot_grid(grids["continuous"], "Continuous batching").savefig(out_dir / "slot_grid_continuous.png", dpi=120)
+    serving_comparison(model, tok, out_dir)
     print(f"\nplots: {', '.join(sorted(p.name for p in out_dir.glob('*.png')))} in {out_dir}/")
     return 0
+
+
+def serving_comparison(model, tok, out_dir: Path, num_requests: int = 8) -> None:
+    """HF static batches vs engine static vs engine continuous on one workload (EOS ignored)."""
+    from llmso_lab.bench.batching import _engine, _hf_static, workload
+    from llmso_lab.cli import print_table
+    from llmso_lab.engine import LLM, SamplingParams
+    from llmso_lab.sim.grid import trace_slot_grid
+    from llmso_lab.viz import plot_slot_grid
+
+    reqs, prompts = workload(num_requests, (32, 128), (8, 48), model.config.vocab_size, seed=1)
+    slots = 4
+    print(f"\nServing {num_requests} requests (prompts 32-128, outputs 8-48 tokens, {slots} slots):")
+    rows = [_hf_static(model, reqs, prompts, slots, tok.pad_token_id or 0)]
+    rows += [_engine(model, tok, mode, reqs, prompts, slots, 512) for mode in ("static", "continuous")]
+    print_table(rows)
+    print(f"continuous vs HF static: {rows[2]['output_tok_s'] / rows[0]['output_tok_s']:.2f}x output tokens/s")
+    for mode in ("static", "continuous"):  # the lecture's grid, drawn from the engine's own step traces
+        llm = LLM(model, tok, batching=mode, max_num_seqs=slots, max_model_len=512)
+        for p, r in zip(prompts, reqs):
+            llm.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+        traces = []
+        while llm.has_unfinished_requests():
+            traces.append(llm.step()[1])
+        plot_slot_grid(trace_slot_grid(traces, slots), f"Engine, {mode} batching (SmolLM2)").savefig(
+            out_dir / f"engine_slot_grid_{mode}.png", dpi=120)
