@@ -11,14 +11,16 @@ goes through, with the same max batch size everywhere:
                      max_new_tokens = min_new_tokens = the batch's longest request): only the tokens each
                      request asked for count as useful output.
 
-Then batch-1 decode speed (tokens/s after the first token) of the engine vs `generate`, printed beside
-the memory-bandwidth ceiling of this machine (every decode step reads all fp32 weights once).
+Then batch-1 decode speed (tokens/s after the first token, median of 3 alternating runs) of the engine vs
+`generate`, printed beside the memory-bandwidth ceiling of this machine (each decode step reads all fp32
+weights once).
 Ratios (same run): continuous_vs_static, continuous_vs_hf_static (output tokens/s), batch1_vs_hf.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import time
 
 import torch
@@ -104,17 +106,25 @@ def _hf_static(model, reqs, prompts, max_num_seqs: int, pad_id: int) -> dict:
     return _latency_row("HF generate static", useful, time.perf_counter() - t0, ttft, e2e)
 
 
-def _batch1(model, tokenizer, prompt: list[int], new_tokens: int, pad_id: int, max_model_len: int) -> tuple[float, float]:
-    """Decode tokens/s at batch 1 (after the first token) of the engine and of HF `generate`."""
+def _batch1(model, tokenizer, prompt: list[int], new_tokens: int, pad_id: int, max_model_len: int,
+            repeats: int = 3) -> tuple[float, float]:
+    """Decode tokens/s at batch 1 (after the first token) of the engine and of HF `generate`.
+
+    The two alternate `repeats` times and each reports its median: a shared or throttled machine drifts
+    over seconds, and alternating puts both systems under the same drift.
+    """
     from llmso_lab.engine import LLM, SamplingParams
 
     llm = LLM(model, tokenizer, max_num_seqs=1, max_model_len=max_model_len)
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=new_tokens, ignore_eos=True),
-                       use_tqdm=False)[0]
-    ts = out.metrics.token_times
-    engine = (len(ts) - 1) / (ts[-1] - ts[0])
-    ts = _hf_generate(model, [prompt], new_tokens, pad_id)
-    return engine, (len(ts) - 1) / (ts[-1] - ts[0])
+    engine, hf = [], []
+    for _ in range(repeats):
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+                           use_tqdm=False)[0]
+        ts = out.metrics.token_times
+        engine.append((len(ts) - 1) / (ts[-1] - ts[0]))
+        ts = _hf_generate(model, [prompt], new_tokens, pad_id)
+        hf.append((len(ts) - 1) / (ts[-1] - ts[0]))
+    return statistics.median(engine), statistics.median(hf)
 
 
 def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int | None = None,

@@ -77,9 +77,8 @@ def rope_cos_sin(config, max_positions: int) -> tuple[Tensor, Tensor]:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale (the fused op is bitwise equal in fp32)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
+    """HF LlamaRMSNorm, op for op: normalise in fp32, cast back, then scale.
+    (`F.rms_norm` gives the same bits in fp32 but launches more kernels: it is slower for decode batches.)"""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -87,8 +86,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """x [T, heads, D], cos/signed_sin [T, 1, D]. HF's `x * cos + rotate_half(x) * sin` with
-    rotate_half(x) = cat(-x2, x1) = roll(x) * [-1.., +1..]: the sign lives in `signed_sin` (bitwise equal)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    rotate_half(x) = cat(-x2, x1) = swap_halves(x) * [-1.., +1..]: the sign lives in `signed_sin` (bitwise
+    equal). Swapping the halves is one flip of a [.., 2, D/2] view: one kernel instead of roll's three."""
+    T, heads, D = x.shape
+    swapped = x.reshape(T, heads, 2, D // 2).flip(2).view(T, heads, D)
+    return x * cos + swapped * signed_sin
 
 
 class ModelRunner:
@@ -115,6 +117,7 @@ class ModelRunner:
             self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)   # [max_model_len, D]
         shape = (self.num_layers, num_kv_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
         self.k_cache, self.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
         swap_shape = (self.num_layers, num_swap_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
 
@@ -183,14 +186,14 @@ class ModelRunner:
         cos = self.cos.index_select(0, positions)[:, None]                      # [T, 1, D]
         sin = self.sin.index_select(0, positions)[:, None]
         self.backend.plan(meta)
-        for i, w in enumerate(self.layers):
+        for w, (k_cache, v_cache) in zip(self.layers, self.layer_caches):
             x = rms_norm(h, w.input_norm, self.eps)
             qkv = linear(x, w.qkv, w.qkv_bias)                               # [T, (H + 2 Hkv) * D]
             qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)   # q and k heads in one go
             q, k = qk[:, :H], qk[:, H:]                                      # [T, H, D], [T, Hkv, D]
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-            self.backend.store_kvcache(k, v, self.k_cache[i], self.v_cache[i], meta.slot_mapping)
-            o = self.backend.forward(q, k, v, self.k_cache[i], self.v_cache[i], meta, w.sliding_window)  # [T, H, D]
+            self.backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = self.backend.forward(q, k, v, k_cache, v_cache, meta, w.sliding_window)  # [T, H, D]
             h = h + linear(o.reshape(T, H * D), w.o, w.o_bias)
             x = rms_norm(h, w.post_norm, self.eps)
             gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)     # [T, I] each
