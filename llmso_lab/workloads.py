@@ -1,7 +1,8 @@
-"""Request workloads for the engine benchmarks, the simulator and the labs, plus latency percentiles.
+"""Request workloads for the engine benchmarks, the simulator and the labs, and what happened to them.
 
 A workload is a list of `Request`s (arrival time in seconds, prompt and output length in tokens).
-Every generator is deterministic for a given seed.
+Every generator is deterministic for a given seed. The engine and the simulator both report a
+`RequestMetrics` per request (TTFT, TPOT, E2E); `latency_summary` and `percentiles` summarise them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 __all__ = ["Request", "poisson_arrivals", "uniform_lengths", "make_workload", "mixed_workload",
-           "load_trace", "save_trace", "percentiles"]
+           "load_trace", "save_trace", "RequestMetrics", "percentiles", "latency_summary"]
 
 
 @dataclass(slots=True)
@@ -123,3 +124,56 @@ def percentiles(values: Sequence[float], ps: Sequence[float] = (50, 90, 99)) -> 
     if v.size == 0:
         return {"mean": math.nan, **{f"p{p:g}": math.nan for p in ps}}
     return {"mean": float(v.mean()), **{f"p{p:g}": float(np.percentile(v, p)) for p in ps}}
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """What happened to one request, in the engine or in the simulator. Times in seconds on one clock."""
+
+    request_id: int | str
+    arrival_time: float
+    first_token_time: float
+    finish_time: float                     # when the whole answer was returned
+    prompt_len: int
+    output_len: int
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None   # engine: the first step that computed the request
+    token_times: list[float] | None = None      # engine: when each output token was sampled (sim: None)
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token: arrival -> first output token."""
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float:
+        """Arrival -> first scheduled (NaN where not recorded)."""
+        return math.nan if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first (mean inter-token latency); 0 for a one-token answer."""
+        if self.output_len < 2:
+            return 0.0
+        last = self.token_times[-1] if self.token_times else self.finish_time
+        return (last - self.first_token_time) / (self.output_len - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies between consecutive output tokens (needs `token_times`)."""
+        if self.token_times is None:
+            raise ValueError("itl needs per-token times; the simulator records only the first and the last token")
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def e2e(self) -> float:
+        """End-to-end latency: arrival -> whole answer returned."""
+        return self.finish_time - self.arrival_time
+
+
+def latency_summary(metrics: Iterable[RequestMetrics], ps: Sequence[float] = (50, 90, 99)) -> dict[str, dict[str, float]]:
+    """{"ttft_s": percentiles, "tpot_s": ..., "e2e_s": ...}; TPOT over requests with more than one token."""
+    metrics = list(metrics)
+    return {"ttft_s": percentiles([m.ttft for m in metrics], ps),
+            "tpot_s": percentiles([m.tpot for m in metrics if m.output_len > 1], ps),
+            "e2e_s": percentiles([m.e2e for m in metrics], ps)}

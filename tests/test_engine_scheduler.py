@@ -169,14 +169,29 @@ def test_sjf_mean_predictor_learns_output_lengths():
 
 @pytest.mark.parametrize("aging,starves", [(0.0, True), (1.0, False)])
 def test_sjf_aging_prevents_starvation(aging, starves):
-    e = llm(max_num_seqs=1, scheduling_policy="sjf", sjf_aging=aging)
+    """Aging is in predicted tokens forgiven per second waited on the engine clock (as in the simulator)."""
+    now = [0.0]
+    e = llm(max_num_seqs=1, scheduling_policy="sjf", sjf_aging=aging, clock=lambda: now[0])
     long_id = e.add_request(prompt(3), sp(30))
     started = False
-    for step in range(150):          # a new short job arrives every step: more than the engine can serve
+    for step in range(150):          # a new short job arrives every second: more than the engine can serve
         e.add_request(prompt(3, step), sp(2))
         _, t = e.step()
+        now[0] += 1.0
         started |= long_id in t.prefill
     assert started is not starves
+
+
+def test_engine_and_simulator_share_the_policy_keys():
+    """One definition (llmso_lab.policies): the engine's admission order is `serve_order` of its queue."""
+    from llmso_lab.policies import serve_order
+
+    e = llm(max_num_seqs=1, scheduling_policy="priority")
+    for p in [2, 0, 1]:
+        e.add_request(prompt(3), sp(1), priority=p)
+    queue = list(e.scheduler.waiting)
+    assert [s.request_id for s in e.scheduler.policy.order(queue, now=0.0)] == \
+        [s.request_id for s in serve_order(queue, "priority")] == ["1", "2", "0"]
 
 
 def test_static_batching_reproduces_the_lecture_grid():

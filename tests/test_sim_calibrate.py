@@ -133,3 +133,22 @@ def test_run_on_engine_and_calibrate_on_its_steps():
     assert sum(r.num_prefill_tokens for r in recs) == 60
     fitted = calibrate(recs, SMOLLM2_135M, CPU)   # any shape works; only the fit machinery is exercised here
     assert fitted.overhead_s >= 0
+
+
+def test_replaying_poisson_arrivals_gives_latency_percentiles():
+    """Online serving: requests arrive at their workload times on the engine clock (Poisson process)."""
+    from llmso_lab.workloads import make_workload
+
+    work = make_workload(6, rate=40.0, prompt_len=(4, 12), output_len=(2, 5), seed=3)
+    llm = LLM(tiny_llama(), max_num_seqs=2)
+    run = run_on_engine(llm, work, replay_arrivals=True)
+    t0 = min(o.metrics.arrival_time for o in run.outputs)
+    for r, o in zip(work, run.outputs):
+        assert o.metrics.arrival_time - t0 == pytest.approx(r.arrival_time - work[0].arrival_time, abs=1e-9)
+        assert o.metrics.first_scheduled_time >= o.metrics.arrival_time   # never served before it arrives
+        assert len(o.outputs[0].token_ids) == r.output_len
+    s = run.summary()
+    assert s["num_requests"] == 6 and s["output_tokens_per_s"] > 0
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        assert 0 <= s[key]["p50"] <= s[key]["p99"] < 60
+    assert run.wall_s >= work[-1].arrival_time - work[0].arrival_time   # the replay took at least the arrival span

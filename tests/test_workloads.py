@@ -55,3 +55,20 @@ def test_percentiles():
     p = percentiles(list(range(101)))
     assert p == {"mean": 50.0, "p50": 50.0, "p90": 90.0, "p99": 99.0}
     assert math.isnan(percentiles([])["p99"])
+
+
+def test_request_metrics_engine_and_simulator_forms():
+    from llmso_lab.workloads import RequestMetrics, latency_summary
+
+    eng = RequestMetrics("a", 1.0, 1.5, 2.6, prompt_len=8, output_len=4, first_scheduled_time=1.2,
+                         token_times=[1.5, 1.7, 2.0, 2.4])    # retired one step after its last token
+    assert eng.ttft == pytest.approx(0.5) and eng.e2e == pytest.approx(1.6) and eng.queue_time == pytest.approx(0.2)
+    assert eng.tpot == pytest.approx(0.3) and eng.itl == pytest.approx([0.2, 0.3, 0.4])
+    sim = RequestMetrics(0, 1.0, 1.5, 2.4, prompt_len=8, output_len=4)   # the sim's last token is its finish
+    assert sim.tpot == pytest.approx(0.3) and math.isnan(sim.queue_time)
+    with pytest.raises(ValueError, match="per-token times"):
+        sim.itl
+    one = RequestMetrics(1, 0.0, 0.1, 0.1, prompt_len=3, output_len=1)
+    s = latency_summary([eng, sim, one], ps=(50,))
+    assert s["ttft_s"]["p50"] == pytest.approx(0.5) and s["tpot_s"]["mean"] == pytest.approx(0.3)   # one-token answer left out of TPOT
+    assert s["e2e_s"]["mean"] == pytest.approx((1.6 + 1.4 + 0.1) / 3)

@@ -6,7 +6,8 @@
 """
 from llmso_lab.engine.config import EngineConfig
 from llmso_lab.engine.llm import LLM
-from llmso_lab.engine.metrics import RequestMetrics, StepTrace
+from llmso_lab.engine.metrics import StepTrace
+from llmso_lab.workloads import RequestMetrics
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.engine.sequence import Sequence, SequenceStatus

@@ -8,7 +8,7 @@ import torch
 
 from llmso_lab.engine.attention import ATTENTION_BACKENDS
 from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block
-from llmso_lab.engine.policy import POLICIES
+from llmso_lab.policies import POLICIES
 from llmso_lab.engine.scheduler import BATCHING_MODES, PREEMPTION_MODES
 from llmso_lab.kv.block_manager import cdiv
 
@@ -31,7 +31,7 @@ class EngineConfig:
     seed: int = 0
     kv_cache_memory_bytes: int = 1 << 30
     sjf_predictor: str | Callable = "oracle"
-    sjf_aging: float = 1.0
+    sjf_aging: float = 0.0                    # sjf: predicted tokens forgiven per second waited
 
     def __post_init__(self) -> None:
         """Checks that need no model. Raises ValueError listing the valid choices."""

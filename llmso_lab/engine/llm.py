@@ -7,15 +7,16 @@ from typing import Callable
 import torch
 
 from llmso_lab.engine.config import EngineConfig
-from llmso_lab.engine.metrics import RequestMetrics, StepTrace
+from llmso_lab.engine.metrics import StepTrace
 from llmso_lab.engine.model_runner import ModelRunner
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
-from llmso_lab.engine.policy import make_policy
+from llmso_lab.engine.policy import SchedulingPolicy
 from llmso_lab.engine.sampler import Sampler
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.engine.scheduler import Scheduler, SchedulerOutput
 from llmso_lab.engine.sequence import Sequence
 from llmso_lab.kv.block_manager import BlockManager
+from llmso_lab.workloads import RequestMetrics
 
 Prompt = str | dict | list[int]
 
@@ -34,7 +35,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  scheduling_policy: str = "fcfs", preemption_mode: str = "recompute",
                  swap_space_blocks: int | None = None, attention_backend: str = "torch", seed: int = 0,
-                 kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 1.0,
+                 kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, batching, batch_window_s,
@@ -45,9 +46,8 @@ class LLM:
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
         self.block_manager = BlockManager(c.num_kv_blocks, block_size, enable_prefix_caching, c.swap_space_blocks)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        policy_kwargs = {"predictor": sjf_predictor, "aging": sjf_aging} if scheduling_policy == "sjf" else {}
         self.scheduler = Scheduler(
-            self.block_manager, make_policy(scheduling_policy, **policy_kwargs), batching=batching,
+            self.block_manager, SchedulingPolicy(scheduling_policy, sjf_predictor, sjf_aging), batching=batching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=c.max_model_len,
             enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
             batch_window_s=batch_window_s, eos_token_ids=self.eos_token_ids, clock=clock)
@@ -170,8 +170,9 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         out_ids = seq.output_token_ids
         text = self.tokenizer.decode(out_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time,
-                                 list(seq.token_times), seq.num_preemptions)
+        metrics = RequestMetrics(seq.request_id, seq.arrival_time, seq.first_token_time, seq.finish_time,
+                                 seq.num_prompt_tokens, seq.num_output_tokens, seq.num_preemptions,
+                                 seq.first_scheduled_time, list(seq.token_times))
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
                              [CompletionOutput(0, text, out_ids, seq.finish_reason)], True, metrics, seq.num_cached_tokens)
 
@@ -229,17 +230,10 @@ class LLM:
 
 def _resolve_model(model, tokenizer):
     if isinstance(model, str):
-        try:
-            from llmso_lab.models import load_model
-        except ImportError:
-            load_model = None
-        if load_model is not None:
-            loaded, tok = load_model(model)
-            return loaded, tokenizer if tokenizer is not None else tok
-        if model == "tiny-llama":
-            from llmso_lab.models.tiny import tiny_llama
-            return tiny_llama(), tokenizer
-        raise ValueError(f"cannot load {model!r}: llmso_lab.models.load_model is not available yet")
+        from llmso_lab.models import load_model
+
+        loaded, tok = load_model(model)
+        return loaded, tokenizer if tokenizer is not None else tok
     if not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
         raise ValueError(f"model must be a registry name or a Hugging Face PreTrainedModel, got {type(model).__name__}")
     return model.eval(), tokenizer

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmso_lab.engine.metrics import RequestMetrics
+from llmso_lab.workloads import RequestMetrics
 
 
 @dataclass(slots=True)

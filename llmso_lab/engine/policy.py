@@ -1,87 +1,51 @@
-"""Scheduling policies: who is admitted first, and who is preempted first when KV blocks run out.
+"""How the engine applies a scheduling policy; the keys themselves live in `llmso_lab.policies`.
 
-- fcfs: admission in arrival order (the waiting queue's order: preempted requests go back to its front);
-  victim = the latest arrival (vLLM's default).
-- priority: lower `priority` value first, ties by arrival; victim = largest (priority, arrival).
-- sjf: shortest predicted job first. The job length is a predicted output length: "oracle" uses the
-  request's max_tokens (exact when EOS is ignored), "mean" a running mean of finished output lengths
-  (capped by max_tokens). Aging guards against starvation: every step a request waits lowers its key by
-  `aging` tokens, so a long job is eventually admitted however many short ones keep arriving.
+SJF needs a predicted output length. "oracle" uses the request's max_tokens (exact when EOS is ignored),
+"mean" a running mean of finished output lengths (capped by max_tokens), or pass a callable(seq) -> float.
+Before ordering, the policy writes each sequence's `predicted_len` (tokens still to generate). Aging is in
+predicted tokens forgiven per second waited on the engine clock, as in the simulator.
 """
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
 from llmso_lab.engine.sequence import Sequence
-
-POLICIES = ("fcfs", "priority", "sjf")
-
-
-class FCFSPolicy:
-    name = "fcfs"
-
-    def order(self, queue: Iterable[Sequence]) -> list[Sequence]:
-        return list(queue)
-
-    def victim(self, running: Iterable[Sequence]) -> Sequence:
-        return max(running, key=lambda s: (s.arrival_time, s.seq_id))
-
-    def on_finish(self, seq: Sequence) -> None:
-        pass
+from llmso_lab.policies import POLICIES, pick_victim, serve_order
 
 
-class PriorityPolicy(FCFSPolicy):
-    name = "priority"
-
-    @staticmethod
-    def key(s: Sequence) -> tuple:
-        return (s.priority, s.arrival_time, s.seq_id)
-
-    def order(self, queue: Iterable[Sequence]) -> list[Sequence]:
-        return sorted(queue, key=self.key)
-
-    def victim(self, running: Iterable[Sequence]) -> Sequence:
-        return max(running, key=self.key)
-
-
-class SJFPolicy(FCFSPolicy):
-    name = "sjf"
-
-    def __init__(self, predictor: str | Callable[[Sequence], float] = "oracle", aging: float = 1.0,
-                 prior_mean: float = 128.0) -> None:
+class SchedulingPolicy:
+    def __init__(self, name: str = "fcfs", predictor: str | Callable[[Sequence], float] = "oracle",
+                 aging: float = 0.0, prior_mean: float = 128.0) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"unknown scheduling_policy {name!r}; valid: {', '.join(POLICIES)}")
         if not (callable(predictor) or predictor in ("oracle", "mean")):
             raise ValueError(f"unknown sjf predictor {predictor!r}; valid: 'oracle', 'mean' or a callable(seq) -> float")
-        self.predictor, self.aging = predictor, aging
+        if aging < 0:
+            raise ValueError(f"sjf_aging must be >= 0 (tokens per second waited), got {aging}")
+        self.name, self.predictor, self.aging = name, predictor, aging
         self.mean, self.num_finished = prior_mean, 0
 
-    def predict(self, s: Sequence) -> float:
-        """Predicted total output length of `s`."""
+    def predict(self, seq: Sequence) -> float:
+        """Predicted total output length of `seq`."""
         if callable(self.predictor):
-            return float(self.predictor(s))
+            return float(self.predictor(seq))
         if self.predictor == "oracle":
-            return float(s.sampling_params.max_tokens)
-        return min(self.mean, float(s.sampling_params.max_tokens))
+            return float(seq.sampling_params.max_tokens)
+        return min(self.mean, float(seq.sampling_params.max_tokens))
 
-    def key(self, s: Sequence) -> tuple:
-        remaining = self.predict(s) - s.num_output_tokens
-        return (remaining - self.aging * s.num_waiting_steps, s.arrival_time, s.seq_id)
+    def _refresh(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+        seqs = list(seqs)
+        if self.name == "sjf":
+            for s in seqs:
+                s.predicted_len = self.predict(s) - s.num_output_tokens
+        return seqs
 
-    def order(self, queue: Iterable[Sequence]) -> list[Sequence]:
-        return sorted(queue, key=self.key)
+    def order(self, queue: Iterable[Sequence], now: float) -> list[Sequence]:
+        return serve_order(self._refresh(queue), self.name, now, self.aging)
 
-    def victim(self, running: Iterable[Sequence]) -> Sequence:
-        return max(running, key=lambda s: (self.predict(s) - s.num_output_tokens, s.arrival_time, s.seq_id))
+    def victim(self, running: Iterable[Sequence], now: float) -> Sequence:
+        return pick_victim(self._refresh(running), self.name, now, self.aging)
 
     def on_finish(self, seq: Sequence) -> None:
-        self.num_finished += 1   # running mean of observed output lengths
+        self.num_finished += 1   # running mean of observed output lengths ("mean" predictor)
         self.mean += (seq.num_output_tokens - self.mean) / self.num_finished
-
-
-def make_policy(name: str, **kwargs) -> FCFSPolicy:
-    if name == "fcfs":
-        return FCFSPolicy()
-    if name == "priority":
-        return PriorityPolicy()
-    if name == "sjf":
-        return SJFPolicy(**kwargs)
-    raise ValueError(f"unknown scheduling_policy {name!r}; valid: {', '.join(POLICIES)}")

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from llmso_lab.engine.policy import FCFSPolicy
+from llmso_lab.engine.policy import SchedulingPolicy
 from llmso_lab.engine.sequence import Sequence, SequenceStatus
 from llmso_lab.kv.block_manager import BlockManager
 
@@ -59,7 +59,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, policy: FCFSPolicy, *, batching: str = "continuous",
+    def __init__(self, block_manager: BlockManager, policy: SchedulingPolicy, *, batching: str = "continuous",
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
                  enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
                  batch_window_s: float = 0.05, eos_token_ids: frozenset[int] = frozenset(),
@@ -105,9 +105,6 @@ class Scheduler:
             self._schedule_continuous(out, now)
         else:
             self._schedule_static(out, now)
-        for seq in self.waiting:
-            if seq.arrival_time <= now:
-                seq.num_waiting_steps += 1
         for item in out.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
@@ -124,14 +121,14 @@ class Scheduler:
         # (a) running sequences, decodes first: each needs KV room for its next token(s)
         decodes = [s for s in self.running if not s.is_prefill]
         prefills = [s for s in self.running if s.is_prefill]
-        for seq in self.policy.order(decodes) + self.policy.order(prefills):
+        for seq in self.policy.order(decodes, now) + self.policy.order(prefills, now):
             if seq.status is not SequenceStatus.RUNNING:
                 continue   # preempted as a victim earlier in this loop
             n = self._num_new_tokens(seq, budget)
             if n == 0:
                 continue
             while not self.bm.may_append(seq, n):
-                victim = self.policy.victim(self.running)
+                victim = self.policy.victim(self.running, now)
                 budget += self._preempt(victim, sched, out)
                 if victim is seq:
                     break
@@ -141,7 +138,7 @@ class Scheduler:
                 budget -= n
         # (b) bring back swapped sequences, then admit waiting ones (not in a step that had to preempt)
         if not out.preempted:
-            for seq in self.policy.order(self.swapped):
+            for seq in self.policy.order(self.swapped, now):
                 n = self._num_new_tokens(seq, budget)
                 if len(self.running) >= self.max_num_seqs or n == 0 or not self.bm.can_swap_in(seq, n):
                     break
@@ -152,7 +149,7 @@ class Scheduler:
                 out.swapped_in.append(seq)
                 budget -= n
         if not out.preempted and not self.swapped:
-            for seq in self.policy.order(s for s in self.waiting if s.arrival_time <= now):
+            for seq in self.policy.order((s for s in self.waiting if s.arrival_time <= now), now):
                 if len(self.running) >= self.max_num_seqs:
                     break
                 computed = self.bm.get_computed_blocks(seq)   # prefix-cache hits
@@ -193,7 +190,7 @@ class Scheduler:
 
     def _schedule_static(self, out: SchedulerOutput, now: float) -> None:
         if not self.running:   # the previous batch is retired: form the next one
-            arrived = [s for s in self.policy.order(self.waiting) if s.arrival_time <= now]
+            arrived = [s for s in self.policy.order(self.waiting, now) if s.arrival_time <= now]
             if not arrived:
                 return
             if (self.batching == "dynamic" and len(arrived) < self.max_num_seqs

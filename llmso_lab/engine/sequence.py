@@ -40,7 +40,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)   # hash chain of the full computed blocks
     finish_reason: str | None = None   # "stop" | "length"
     num_preemptions: int = 0
-    num_waiting_steps: int = 0         # steps spent waiting after arrival (SJF aging)
+    predicted_len: float = 0.0         # SJF: predicted output tokens still to generate (set by the policy)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -49,6 +49,11 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def index(self) -> int:
+        """The policies' final tie-breaker (`llmso_lab.policies`): the order of `add_request`."""
+        return self.seq_id
 
     @property
     def num_tokens(self) -> int:

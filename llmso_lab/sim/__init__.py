@@ -5,7 +5,7 @@ from llmso_lab.sim.calibrate import EngineRun, EngineStepRecord, records_from_en
 from llmso_lab.sim.cost import CostModel, StepBreakdown, StepCost, UnitCost
 from llmso_lab.sim.grid import (continuous_slot_grid, lecture_requests, lecture_slot_grids, slot_utilization,
                                 static_slot_grid, trace_slot_grid)
-from llmso_lab.sim.policies import pick_victim, policy_key
+from llmso_lab.policies import pick_victim, policy_key
 from llmso_lab.sim.preemption import PreemptionCosts, preemption_costs
 from llmso_lab.sim.results import RequestMetrics, SimResult, SimStep
 from llmso_lab.sim.simulator import SimConfig, simulate

@@ -17,6 +17,7 @@ import numpy as np
 from llmso_lab.hardware import Accelerator, measure_cpu
 from llmso_lab.models.shapes import SMOLLM2_135M, ModelShape
 from llmso_lab.sim.cost import StepCost
+from llmso_lab.workloads import latency_summary
 
 __all__ = ["cpu_profile", "calibrate", "relative_errors", "as_record", "EngineStepRecord", "records_from_engine_traces",
            "EngineRun", "run_on_engine"]
@@ -160,6 +161,14 @@ class EngineRun:
     def output_throughput(self) -> float:
         """Generated tokens per second of wall time (compare with `SimResult.output_throughput`)."""
         return self.num_output_tokens / self.wall_s
+
+    def summary(self) -> dict[str, Any]:
+        """The keys of `SimResult.summary` that a real run has: throughput, TTFT/TPOT/E2E percentiles (s),
+        preemptions — so a simulation and an engine run of one workload print side by side."""
+        metrics = [o.metrics for o in self.outputs]
+        return {"num_requests": len(metrics), "duration_s": self.wall_s,
+                "output_tokens_per_s": self.output_throughput, **latency_summary(metrics),
+                "num_preemptions_total": sum(m.num_preemptions for m in metrics), "num_steps": len(self.traces)}
 
 
 def run_on_engine(llm: Any, requests: Iterable[Any], seed: int = 0, replay_arrivals: bool = False) -> EngineRun:

@@ -7,40 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from llmso_lab.workloads import percentiles
+from llmso_lab.workloads import RequestMetrics, latency_summary
 
-__all__ = ["RequestMetrics", "SimStep", "SimResult", "BUSY"]
+__all__ = ["RequestMetrics", "SimStep", "SimResult", "BUSY"]   # RequestMetrics: llmso_lab.workloads
 
 BUSY = ("prefill", "decode")  # slot kinds that produce tokens; the rest are "idle" (held, computed for
                               # nothing: a finished row of a static batch), "stalled" (no budget) or "free"
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Latencies of one request, in seconds."""
-
-    request_id: int | str
-    arrival_time: float
-    first_token_time: float
-    finish_time: float
-    prompt_len: int
-    output_len: int
-    num_preemptions: int = 0
-
-    @property
-    def ttft(self) -> float:
-        """Time to first token."""
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def e2e(self) -> float:
-        """End-to-end latency: arrival to the full answer."""
-        return self.finish_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float:
-        """Mean time per output token after the first (0 for a one-token answer)."""
-        return (self.finish_time - self.first_token_time) / (self.output_len - 1) if self.output_len > 1 else 0.0
 
 
 @dataclass(slots=True)
@@ -111,9 +83,7 @@ class SimResult:
             "duration_s": self.duration,
             "output_tokens_per_s": self.output_throughput,
             "total_tokens_per_s": self.total_throughput,
-            "ttft_s": percentiles([r.ttft for r in self.requests]),
-            "tpot_s": percentiles([r.tpot for r in self.requests if r.output_len > 1]),
-            "e2e_s": percentiles([r.e2e for r in self.requests]),
+            **latency_summary(self.requests),
             "num_preemptions_total": self.num_preemptions_total,
             "num_steps": len(self.steps),
             "slot_utilisation": self.slot_utilisation,

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 from llmso_lab.sim.budget import prefill_chunk
 from llmso_lab.sim.cost import CostModel
-from llmso_lab.sim.policies import POLICIES, pick_victim, policy_key
+from llmso_lab.policies import POLICIES, pick_victim, policy_key
 from llmso_lab.sim.results import RequestMetrics, SimResult, SimStep
 from llmso_lab.workloads import Request
 
@@ -63,7 +63,7 @@ class SimConfig:
 class _Seq:
     req: Request
     index: int
-    predicted_len: float
+    predicted_output_len: float  # sjf: predicted output length (the true one unless a predictor is given)
     num_generated: int = 0
     num_computed: int = 0        # tokens whose KV is in the cache (on the device or swapped out)
     blocks: int = 0              # KV blocks held (on the device, or on the host while swapped)
@@ -75,6 +75,7 @@ class _Seq:
 
     arrival_time = property(lambda self: self.req.arrival_time)
     priority = property(lambda self: self.req.priority)
+    predicted_len = property(lambda self: self.predicted_output_len - self.num_generated)   # still to generate
 
     @property
     def len(self) -> int:

@@ -1,7 +1,7 @@
 """Lab 02 (scheduling) exercises and their public checks.
 
 References: `llmso_lab.sim.budget:plan_token_budget` (the decode-first token budget) and
-`llmso_lab.sim.policies` (`pick_victim`, `policy_key`). The policy exercises take plain data (lists of
+`llmso_lab.policies` (`pick_victim`, `policy_key`). The policy exercises take plain data (lists of
 dicts), so their expected values come from small oracles below that wrap the library's policy code.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from llmso_lab.grading.compare import exact
 from llmso_lab.grading.registry import Case, Exercise, register
-from llmso_lab.sim.policies import pick_victim, policy_key
+from llmso_lab.policies import pick_victim, policy_key
 
 same = exact()
 
@@ -51,16 +51,16 @@ register(
              compare=same),
     ], tripwires=("llmso_lab.sim.budget:prefill_chunk",),
         description="one step's decode-first token budget: decodes take 1 token each, prefills chunk the rest"),
-    Exercise("choose_victim", "02", 25, "llmso_lab.sim.policies:pick_victim", [
+    Exercise("choose_victim", "02", 25, "llmso_lab.policies:pick_victim", [
         Case("fcfs preempts the latest arrival", (_running, "fcfs"), compare=same),
         Case("priority preempts the largest (priority, arrival)", (_running, "priority"), compare=same),
         Case("sjf preempts the longest predicted job", (_running, "sjf"), compare=same),
-    ], oracle="llmso_lab.grading.specs.lab02:victim_oracle", tripwires=("llmso_lab.sim.policies:policy_key",),
+    ], oracle="llmso_lab.grading.specs.lab02:victim_oracle", tripwires=("llmso_lab.policies:policy_key",),
         description="which running request to preempt when KV blocks run out, by policy"),
-    Exercise("sjf_order", "02", 30, "llmso_lab.sim.policies:policy_key", [
+    Exercise("sjf_order", "02", 30, "llmso_lab.policies:policy_key", [
         Case("no aging: shortest predicted output first, ties by arrival", (_sjf_queue,), {"now": 8.0}, compare=same),
         Case("aging 40 tokens/s at t=8: the 500-token job has waited 8 s and moves up", (_sjf_queue,),
              {"now": 8.0, "aging": 40.0}, compare=same),
-    ], oracle="llmso_lab.grading.specs.lab02:sjf_oracle", tripwires=("llmso_lab.sim.policies:pick_victim",),
+    ], oracle="llmso_lab.grading.specs.lab02:sjf_oracle", tripwires=("llmso_lab.policies:pick_victim",),
         description="the order in which shortest-job-first with aging serves a waiting queue"),
 )
