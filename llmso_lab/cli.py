@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("name", nargs="?", default="smollm2-135m")
     f.add_argument("--force", action="store_true", help="fetch again even if cached")
     f.set_defaults(fn=_cmd_model)
-    d = sub.add_parser("demo", help="instructor demo: model, roofline ceilings, plots in out/demo/")
+    d = sub.add_parser("demo", help="instructor demo: ceilings, a SmolLM2 answer, one workload through HF and the engine (table + plots in out/demo/)")
     d.add_argument("--out", default="out/demo")
     d.set_defaults(fn=_cmd_demo)
     b = sub.add_parser("bench", help="benchmarks that report ratios measured in one run")

@@ -1,13 +1,15 @@
-"""`make demo` / `llmso-lab demo`: the real model, this machine's roofline, and the lecture's slot grid.
+"""`make demo` / `llmso-lab demo`: the real model, this machine's roofline, and the lecture's serving comparison.
 
-Prints the ceilings, answers a chat prompt with SmolLM2 (tqdm bar over generated tokens), then runs one
-small workload through Hugging Face static batching, the engine's static batching and the engine's
-continuous batching (table: throughput, TTFT/E2E p50/p99, padding), and writes plots to `out/demo/`:
-roofline, the lecture's slot grids, the engine's real slot grids and the latency CDFs.
+Prints the ceilings and answers a chat prompt with SmolLM2 (tqdm bar over generated tokens). Then one workload
+(12 requests that share a 128-token system prompt, EOS ignored, 4 slots) goes through Hugging Face static
+batching and the engine (static; continuous; continuous + prefix caching with the system prompt already
+cached; the same with a KV cache that holds only the longest request, so requests get preempted): a table of throughput, TTFT/TPOT p50/p99, E2E p50,
+preemptions and prefix cache hit rate, and the measured ratios. Plots in `out/demo/`: roofline, the lecture's
+slot grids, the engine's real slot grids (static, continuous) and the TTFT/TPOT CDFs of every system.
 """
 from __future__ import annotations
 
-import os
+import statistics
 import time
 from pathlib import Path
 
@@ -82,32 +84,69 @@ def run_demo(out_dir: Path = Path("out/demo")) -> int:
     grids = lecture_slot_grids()
     plot_slot_grid(grids["static"], "Static batching").savefig(out_dir / "slot_grid_static.png", dpi=120)
     plot_slot_grid(grids["continuous"], "Continuous batching").savefig(out_dir / "slot_grid_continuous.png", dpi=120)
-    serving_comparison(model, tok, out_dir)
+    serving_demo(model, tok, out_dir)
     print(f"\nplots: {', '.join(sorted(p.name for p in out_dir.glob('*.png')))} in {out_dir}/")
     return 0
 
 
-def serving_comparison(model, tok, out_dir: Path, num_requests: int = 8) -> None:
-    """HF static batches vs engine static vs engine continuous on one workload (EOS ignored)."""
+COLUMNS = {"system": "system", "output_tok_s": "tokens/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "p99 s",
+           "tpot_p50_ms": "TPOT p50 ms", "tpot_p99_ms": "p99 ms", "e2e_p50_s": "E2E p50 s",
+           "preemptions": "preemptions", "prefix_hit_rate": "prefix hit rate"}   # row key: table header
+
+
+def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: int = 128,
+                 own_len: tuple[int, int] = (8, 32), output_len: tuple[int, int] = (4, 24), slots: int = 4,
+                 seed: int = 1) -> list[dict]:
+    """One workload whose prompts share a system prompt, through HF static batches and four engine settings.
+
+    Prints the table and the key ratios, checks that every engine setting makes the same greedy tokens,
+    writes latency_cdf.png and engine_slot_grid_{static,continuous}.png to out_dir. Returns the table rows.
+    """
+    from matplotlib.figure import Figure
+
     from llmso_lab.bench.batching import _engine, _hf_static, workload
     from llmso_lab.cli import print_table
-    from llmso_lab.engine import LLM, SamplingParams
+    from llmso_lab.kv.block_manager import cdiv
     from llmso_lab.sim.grid import trace_slot_grid
-    from llmso_lab.viz import plot_slot_grid
+    from llmso_lab.viz import plot_latency_cdf, plot_slot_grid
 
-    reqs, prompts = workload(num_requests, (32, 128), (8, 48), model.config.vocab_size, seed=1)
-    slots = 4
-    print(f"\nServing {num_requests} requests (prompts 32-128, outputs 8-48 tokens, {slots} slots):")
-    rows = [_hf_static(model, reqs, prompts, slots, tok.pad_token_id or 0)]
-    rows += [_engine(model, tok, mode, reqs, prompts, slots, 512) for mode in ("static", "continuous")]
-    print_table(rows)
-    print(f"continuous vs HF static: {rows[2]['output_tok_s'] / rows[0]['output_tok_s']:.2f}x output tokens/s")
-    for mode in ("static", "continuous"):  # the lecture's grid, drawn from the engine's own step traces
-        llm = LLM(model, tok, batching=mode, max_num_seqs=slots, max_model_len=512)
-        for p, r in zip(prompts, reqs):
-            llm.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
-        traces = []
-        while llm.has_unfinished_requests():
-            traces.append(llm.step()[1])
-        plot_slot_grid(trace_slot_grid(traces, slots), f"Engine, {mode} batching (SmolLM2)").savefig(
-            out_dir / f"engine_slot_grid_{mode}.png", dpi=120)
+    reqs, prompts = workload(num_requests, own_len, output_len, model.config.vocab_size, seed, shared_prefix=prefix_len)
+    system = prompts[0][:prefix_len]   # served once before the prefix-cache runs: the cache starts warm, as in
+                                       # production, where the system prompt was already seen by earlier requests
+    max_len = max(r.prompt_len + r.output_len for r in reqs)
+    small_kv = cdiv(max_len, 16)   # 16-token blocks for the longest request alone: the others must wait or be preempted
+    print(f"\nServing {num_requests} requests: a shared {prefix_len}-token system prompt + {own_len[0]}-{own_len[1]} "
+          f"own tokens, {output_len[0]}-{output_len[1]} output tokens (EOS ignored), {slots} slots")
+    hf_row, hf_ttft, hf_tpot = _hf_static(model, reqs, prompts, slots, model.config.pad_token_id or 0)
+    settings = {  # row label: (batching, extra LLM arguments)
+        "engine static": ("static", {}),
+        "engine continuous": ("continuous", {}),
+        "engine continuous + prefix cache": ("continuous", {"enable_prefix_caching": True, "warmup_prompt": system}),
+        f"engine continuous + prefix cache, {small_kv} KV blocks": ("continuous", {
+            "enable_prefix_caching": True, "warmup_prompt": system, "num_kv_blocks": small_kv}),
+    }
+    runs = {label: _engine(model, tok, batching, reqs, prompts, slots, max_len, label, **kw)
+            for label, (batching, kw) in settings.items()}
+    tokens = [[list(o.outputs[0].token_ids) for o in outs] for _, outs, _ in runs.values()]
+    assert all(t == tokens[0] for t in tokens), "every engine setting must make the same greedy tokens"
+    rows = [hf_row] + [row for row, _, _ in runs.values()]
+    print_table([{header: r[k] for k, header in COLUMNS.items()} for r in rows])
+
+    ttft = {hf_row["system"]: hf_ttft, **{k: [o.metrics.ttft for o in outs] for k, (_, outs, _) in runs.items()}}
+    tpot = {hf_row["system"]: hf_tpot, **{k: [o.metrics.tpot for o in outs] for k, (_, outs, _) in runs.items()}}
+    speedup = runs["engine continuous"][0]["output_tok_s"] / hf_row["output_tok_s"]
+    print(f"continuous batching vs HF static batching: {speedup:.2f}x output tokens/s")
+    off, on = (statistics.median(ttft[k]) for k in ("engine continuous", "engine continuous + prefix cache"))
+    print(f"TTFT p50 without / with prefix caching: {off:.2f} s / {on:.2f} s ({off / on:.1f}x)")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=(12, 4.5))
+    left, right = fig.subplots(1, 2)
+    plot_latency_cdf(ttft, "TTFT (s)", "Time to first token (dots: p50, p99)", ax=left)
+    plot_latency_cdf({k: [1e3 * t for t in v] for k, v in tpot.items()}, "TPOT (ms)",
+                     "Time per output token (dots: p50, p99)", ax=right)
+    fig.savefig(out_dir / "latency_cdf.png", dpi=120)
+    for mode in ("static", "continuous"):   # the lecture's grid, drawn from the table runs' own step traces
+        grid = trace_slot_grid(runs[f"engine {mode}"][2], slots)
+        plot_slot_grid(grid, f"Engine, {mode} batching").savefig(out_dir / f"engine_slot_grid_{mode}.png", dpi=120)
+    return rows

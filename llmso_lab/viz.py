@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -16,29 +17,33 @@ from llmso_lab.hardware import Accelerator
 __all__ = ["plot_slot_grid", "plot_roofline", "plot_latency_cdf", "plot_tradeoff"]
 
 
-def plot_slot_grid(grid: np.ndarray, title: str = "") -> Figure:
+def plot_slot_grid(grid: np.ndarray, title: str = "", max_labelled_iters: int = 40) -> Figure:
     """The lecture's slot grid: rows = batch slots, columns = iterations, one colour per request,
-    idle cells (-1) grey and hatched, each busy cell labelled with its request id."""
+    idle cells (-1) grey. Up to `max_labelled_iters` columns each cell is labelled with its request id and
+    idle cells are hatched; longer runs (engine traces) are drawn compactly at a bounded width."""
     grid = np.asarray(grid)
     n_slots, n_iters = grid.shape
-    fig = Figure(figsize=(max(4.0, 0.55 * n_iters + 1.5), max(2.0, 0.55 * n_slots + 1.0)))
+    small = n_iters <= max_labelled_iters
+    width = 0.55 * n_iters + 1.5 if small else 16.0
+    fig = Figure(figsize=(max(4.0, width), max(2.0, (0.55 if small else 0.35) * n_slots + 1.2)))
     ax = fig.add_subplot()
     ids = sorted(int(i) for i in np.unique(grid) if i >= 0)
-    colours = ListedColormap([(0, 0, 0, 0)] + [tuple(c) for c in _palette(len(ids))])
+    colours = ListedColormap([(0.85, 0.85, 0.85, 1.0)] + [tuple(c) for c in _palette(len(ids))])
     index = np.zeros_like(grid)
     for k, rid in enumerate(ids):
         index[grid == rid] = k + 1
-    ax.imshow(index, cmap=colours, vmin=0, vmax=len(ids), aspect="equal", interpolation="nearest")
-    for (r, c), rid in np.ndenumerate(grid):
-        if rid < 0:
-            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor="0.85", hatch="//", edgecolor="0.6", lw=0))
-        else:
-            ax.text(c, r, str(rid), ha="center", va="center", fontsize=9)
-    ax.set_xticks(np.arange(n_iters), [str(i + 1) for i in range(n_iters)])
+    ax.imshow(index, cmap=colours, vmin=0, vmax=len(ids), aspect="equal" if small else "auto", interpolation="nearest")
+    if small:
+        for (r, c), rid in np.ndenumerate(grid):
+            if rid < 0:
+                ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor="0.85", hatch="//", edgecolor="0.6", lw=0))
+            else:
+                ax.text(c, r, str(rid), ha="center", va="center", fontsize=9)
+        ax.set_xticks(np.arange(n_iters), [str(i + 1) for i in range(n_iters)])
+        ax.set_xticks(np.arange(-0.5, n_iters), minor=True)
     ax.set_yticks(np.arange(n_slots), [f"slot {i}" for i in range(n_slots)])
-    ax.set_xticks(np.arange(-0.5, n_iters), minor=True)
     ax.set_yticks(np.arange(-0.5, n_slots), minor=True)
-    ax.grid(which="minor", color="white", lw=2)
+    ax.grid(which="minor", color="white", lw=2 if small else 1)
     ax.tick_params(which="minor", length=0)
     ax.set_xlabel("iteration (decoding step)")
     idle = int((grid < 0).sum())
@@ -74,10 +79,13 @@ def plot_roofline(hardware: Accelerator, points: Sequence[tuple] = (), intensity
     return fig
 
 
-def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], xlabel: str = "latency (s)", title: str = "") -> Figure:
-    """Empirical CDF of each named latency sample (e.g. {"fcfs": e2e, "sjf": e2e}), p50 and p99 marked."""
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
+def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], xlabel: str = "latency (s)", title: str = "",
+                     ax: Axes | None = None) -> Figure:
+    """Empirical CDF of each named latency sample (e.g. {"fcfs": e2e, "sjf": e2e}), p50 and p99 marked.
+
+    ax: draw into this panel of a larger figure (e.g. `Figure().subplots(1, 2)`) instead of a new figure."""
+    if ax is None:
+        ax = Figure(figsize=(6, 4)).add_subplot()
     for name, values in latencies.items():
         v = np.sort(np.asarray(values, dtype=float))
         (line,) = ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=name)
@@ -88,8 +96,8 @@ def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], xlabel: str = "la
     ax.set_ylim(0, 1.02)
     ax.set_title(title or "Latency CDF (dots: p50, p99)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    ax.figure.tight_layout()
+    return ax.figure
 
 
 def plot_tradeoff(x: Sequence[float], y: Sequence[float], labels: Sequence[object] = (), xlabel: str = "TTFT p50 (s)",

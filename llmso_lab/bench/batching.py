@@ -11,6 +11,9 @@ goes through, with the same max batch size everywhere:
                      max_new_tokens = min_new_tokens = the batch's longest request): only the tokens each
                      request asked for count as useful output.
 
+Each row: output tokens/s, TTFT, TPOT and E2E p50/p99, padded tokens, preemptions and prefix cache hit rate
+(`_engine`, `_hf_static` and `workload` also run the serving table of `llmso-lab demo`).
+
 Then batch-1 decode speed (tokens/s after the first token, median of 3 alternating runs) of the engine vs
 `generate`, printed beside the memory-bandwidth ceiling of this machine (each decode step reads all fp32
 weights once).
@@ -18,6 +21,7 @@ Ratios (same run): continuous_vs_static, continuous_vs_hf_static (output tokens/
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import statistics
@@ -37,34 +41,60 @@ QUICK = dict(num_requests=16, prompt_len=(32, 256), output_len=(16, 96), max_num
 
 
 def workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
-             seed: int = 0) -> tuple[list[Request], list[list[int]]]:
-    """The requests and their prompt token ids (seeded random ids; with EOS ignored the text does not matter)."""
+             seed: int = 0, shared_prefix: int = 0) -> tuple[list[Request], list[list[int]]]:
+    """The requests and their prompt token ids (seeded random ids; with EOS ignored the text does not matter).
+
+    shared_prefix > 0: every prompt starts with the same `shared_prefix` ids (a system prompt), then its own ids.
+    """
     reqs = make_workload(num_requests, prompt_len=prompt_len, output_len=output_len, seed=seed)
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab_size, (r.prompt_len,), generator=g).tolist() for r in reqs]
-    return reqs, prompts
+    own = [torch.randint(3, vocab_size, (r.prompt_len,), generator=g).tolist() for r in reqs]
+    prefix = torch.randint(3, vocab_size, (shared_prefix,), generator=g).tolist()
+    reqs = [dataclasses.replace(r, prompt_len=shared_prefix + r.prompt_len) for r in reqs]
+    return reqs, [prefix + p for p in own]
 
 
-def _latency_row(name: str, out_tokens: int, seconds: float, ttft: list[float], e2e: list[float], **extra) -> dict:
-    t, e = percentiles(ttft, (50, 99)), percentiles(e2e, (50, 99))
+def _latency_row(name: str, out_tokens: int, seconds: float, ttft: list[float], tpot: list[float], e2e: list[float],
+                 **extra) -> dict:
+    t, d, e = percentiles(ttft, (50, 99)), percentiles(tpot, (50, 99)), percentiles(e2e, (50, 99))
     return {"system": name, "requests": len(e2e), "output_tokens": out_tokens, "seconds": round(seconds, 2),
             "output_tok_s": round(out_tokens / seconds, 1), "ttft_p50_s": round(t["p50"], 2),
-            "ttft_p99_s": round(t["p99"], 2), "e2e_p50_s": round(e["p50"], 2), "e2e_p99_s": round(e["p99"], 2), **extra}
+            "ttft_p99_s": round(t["p99"], 2), "tpot_p50_ms": round(1e3 * d["p50"], 1),
+            "tpot_p99_ms": round(1e3 * d["p99"], 1), "e2e_p50_s": round(e["p50"], 2), "e2e_p99_s": round(e["p99"], 2),
+            **extra}
 
 
-def _engine(model, tokenizer, batching: str, reqs, prompts, max_num_seqs: int, max_model_len: int) -> dict:
+def _engine(model, tokenizer, batching: str, reqs, prompts, max_num_seqs: int, max_model_len: int,
+            label: str | None = None, warmup_prompt: list[int] | None = None, **llm_kwargs) -> tuple[dict, list, list]:
+    """One engine run of the workload, step by step. `llm_kwargs` go to `LLM` (e.g. enable_prefix_caching=True,
+    num_kv_blocks=...); `warmup_prompt` is served first, untimed (e.g. a system prompt, so that the prefix
+    cache starts warm). Returns (table row, outputs in request order, the step traces)."""
     from llmso_lab.engine import LLM, SamplingParams
 
-    llm = LLM(model, tokenizer, batching=batching, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    label = label or f"engine {batching}"
+    llm = LLM(model, tokenizer, batching=batching, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **llm_kwargs)
+    if warmup_prompt is not None:
+        llm.generate([{"prompt_token_ids": warmup_prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    ids = [llm.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
+           for p, r in zip(prompts, reqs)]
+    done, traces = {}, []
+    with tqdm(total=len(reqs), desc=label) as bar:
+        while llm.has_unfinished_requests():
+            finished, trace = llm.step()
+            done.update((o.request_id, o) for o in finished)
+            traces.append(trace)
+            bar.update(len(finished))
     seconds = time.perf_counter() - t0
+    outs = [done[i] for i in ids]
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n == sum(r.output_len for r in reqs), "the engine must make exactly the requested tokens"
     st = llm.stats()
-    return _latency_row(f"engine {batching}", n, seconds, [o.metrics.ttft for o in outs], [o.metrics.e2e for o in outs],
-                        padded_tokens=st["num_padded_tokens"])
+    cached = sum(o.num_cached_tokens for o in outs) / sum(len(o.prompt_token_ids) for o in outs)   # these requests only
+    row = _latency_row(label, n, seconds, [o.metrics.ttft for o in outs], [o.metrics.tpot for o in outs],
+                       [o.metrics.e2e for o in outs], padded_tokens=st["num_padded_tokens"],
+                       preemptions=st["num_preemptions_total"], prefix_hit_rate=round(cached, 2))
+    return row, outs, traces
 
 
 class _StepClock:
@@ -93,17 +123,22 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int, pad_id: int) ->
     return clock.times
 
 
-def _hf_static(model, reqs, prompts, max_num_seqs: int, pad_id: int) -> dict:
-    ttft, e2e, useful = [], [], 0
+def _hf_static(model, reqs, prompts, max_num_seqs: int, pad_id: int) -> tuple[dict, list[float], list[float]]:
+    """HF `generate` on static batches. Returns (table row, TTFT per request, TPOT per request)."""
+    ttft, tpot, e2e, useful = [], [], [], 0
     t0 = time.perf_counter()
     for first in tqdm(range(0, len(reqs), max_num_seqs), desc="HF generate (static batches)"):
         rs = reqs[first:first + max_num_seqs]
         times = _hf_generate(model, prompts[first:first + max_num_seqs], max(r.output_len for r in rs), pad_id)
         done = time.perf_counter()
         ttft += [times[0] - t0] * len(rs)   # every request arrived at t0
+        # a request's own tokens are the batch's first n; the rest of its row is wasted work
+        tpot += [(times[r.output_len - 1] - times[0]) / (r.output_len - 1) if r.output_len > 1 else 0.0 for r in rs]
         e2e += [done - t0] * len(rs)         # a static batch returns all its rows together
         useful += sum(r.output_len for r in rs)
-    return _latency_row("HF generate static", useful, time.perf_counter() - t0, ttft, e2e)
+    row = _latency_row("HF generate static", useful, time.perf_counter() - t0, ttft, tpot, e2e,
+                       preemptions=0, prefix_hit_rate="-")
+    return row, ttft, tpot
 
 
 def _batch1(model, tokenizer, prompt: list[int], new_tokens: int, pad_id: int, max_model_len: int,
@@ -158,10 +193,10 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
     with tqdm(total=len(phases), desc="bench batching") as bar:
         for batching in ("continuous", "static"):
             bar.set_postfix_str(f"engine {batching}")
-            table.append(_engine(net, tokenizer, batching, reqs, prompts, B, max_model_len))
+            table.append(_engine(net, tokenizer, batching, reqs, prompts, B, max_model_len)[0])
             bar.update()
         bar.set_postfix_str("HF generate")
-        table.append(_hf_static(net, reqs, prompts, B, pad_id))
+        table.append(_hf_static(net, reqs, prompts, B, pad_id)[0])
         bar.update()
         bar.set_postfix_str("batch 1")
         n1 = cfg["batch1_tokens"]
