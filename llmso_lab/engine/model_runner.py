@@ -77,11 +77,11 @@ def rope_cos_sin(config, max_positions: int) -> tuple[Tensor, Tensor]:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF LlamaRMSNorm, op for op: normalise in fp32, cast back, then scale.
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale (bitwise equal to HF's module).
     (`F.rms_norm` gives the same bits in fp32 but launches more kernels: it is slower for decode batches.)"""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    h = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + eps)   # h * h: the same bits as HF's h.pow(2), and on
+    return weight * h.to(x.dtype)                               # CPU ~10x cheaper for one token (pow is slow there)
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
