@@ -84,7 +84,8 @@ def _engine(model, tokenizer, batching: str, reqs, prompts, max_num_seqs: int, m
             finished, trace = llm.step()
             done.update((o.request_id, o) for o in finished)
             traces.append(trace)
-            bar.update(len(finished))
+            if finished:
+                bar.update(len(finished))
     seconds = time.perf_counter() - t0
     outs = [done[i] for i in ids]
     n = sum(len(o.outputs[0].token_ids) for o in outs)
