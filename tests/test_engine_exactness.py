@@ -15,6 +15,7 @@ import torch
 from llmso_lab.engine import LLM, SamplingParams
 from llmso_lab.engine.hf_reference import hf_greedy
 from llmso_lab.models import tiny_llama
+from llmso_lab.models.tiny import _seeded
 
 BLOCK, MAX_LEN = 4, 48
 PREFIX = [17, 99, 4, 250, 31, 8, 77, 120, 5, 66, 201, 3]   # shared by most prompts: 3 full blocks
@@ -30,13 +31,14 @@ MAX_TOKENS = [12, 7, 15, 5, 10, 9]
 PRIORITY = [2, 0, 1, 0, 3, 1]
 
 
-def _seed_biases(model, seed: int = 1) -> None:
+def _seed_biases(model, seed: int = 1):
     """HF initialises biases to zero; make them random so that a missing bias would change the output."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
 
 
 def tiny_qwen2():
@@ -44,11 +46,7 @@ def tiny_qwen2():
     cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
                       rope_theta=1000.0, eos_token_id=2, bos_token_id=1, pad_token_id=0, attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg).eval()
-    _seed_biases(model)
-    return model
+    return _seed_biases(_seeded(lambda: Qwen2ForCausalLM(cfg), 0, torch.float32))
 
 
 def tiny_qwen2_sliding():
@@ -58,11 +56,7 @@ def tiny_qwen2_sliding():
                       num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, use_sliding_window=True,
                       sliding_window=5, max_window_layers=1, eos_token_id=2, bos_token_id=1, pad_token_id=0,
                       attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(cfg).eval()
-    _seed_biases(model)
-    return model
+    return _seed_biases(_seeded(lambda: Qwen2ForCausalLM(cfg), 0, torch.float32))
 
 
 def tiny_mistral():
@@ -70,9 +64,7 @@ def tiny_mistral():
     cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, sliding_window=7,
                         eos_token_id=2, bos_token_id=1, pad_token_id=0, attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return MistralForCausalLM(cfg).eval()
+    return _seeded(lambda: MistralForCausalLM(cfg), 0, torch.float32)
 
 
 def tiny_llama31():
@@ -83,9 +75,7 @@ def tiny_llama31():
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
                       rope_parameters=rope, eos_token_id=2, bos_token_id=1, pad_token_id=0, attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(cfg).eval()
+    return _seeded(lambda: LlamaForCausalLM(cfg), 0, torch.float32)
 
 
 MODELS = {"llama": lambda: tiny_llama(max_position_embeddings=256), "qwen2": tiny_qwen2,

@@ -70,24 +70,14 @@ def _engine(model, tokenizer, batching: str, reqs, prompts, max_num_seqs: int, m
     num_kv_blocks=...); `warmup_prompt` is served first, untimed (e.g. a system prompt, so that the prefix
     cache starts warm). Returns (table row, outputs in request order, the step traces)."""
     from llmso_lab.engine import LLM, SamplingParams
+    from llmso_lab.sim.calibrate import run_on_engine
 
     label = label or f"engine {batching}"
     llm = LLM(model, tokenizer, batching=batching, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **llm_kwargs)
     if warmup_prompt is not None:
         llm.generate([{"prompt_token_ids": warmup_prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
-    t0 = time.perf_counter()
-    ids = [llm.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
-           for p, r in zip(prompts, reqs)]
-    done, traces = {}, []
-    with tqdm(total=len(reqs), desc=label) as bar:
-        while llm.has_unfinished_requests():
-            finished, trace = llm.step()
-            done.update((o.request_id, o) for o in finished)
-            traces.append(trace)
-            if finished:
-                bar.update(len(finished))
-    seconds = time.perf_counter() - t0
-    outs = [done[i] for i in ids]
+    run = run_on_engine(llm, reqs, prompts=prompts, desc=label)
+    outs, traces, seconds = run.outputs, run.traces, run.wall_s
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n == sum(r.output_len for r in reqs), "the engine must make exactly the requested tokens"
     st = llm.stats()

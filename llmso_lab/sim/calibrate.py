@@ -171,31 +171,38 @@ class EngineRun:
                 "num_preemptions_total": sum(m.num_preemptions for m in metrics), "num_steps": len(self.traces)}
 
 
-def run_on_engine(llm: Any, requests: Iterable[Any], seed: int = 0, replay_arrivals: bool = False) -> EngineRun:
-    """Run a workload (`llmso_lab.workloads.Request`s) through an engine `LLM`: random prompt token ids of
-    each prompt_len, exactly output_len tokens each (EOS ignored). With `replay_arrivals` the requests
-    arrive at their arrival times on the engine clock; otherwise all at once (an offline batch)."""
+def run_on_engine(llm: Any, requests: Iterable[Any], seed: int = 0, replay_arrivals: bool = False,
+                  prompts: list[list[int]] | None = None, desc: str | None = None) -> EngineRun:
+    """Run a workload (`llmso_lab.workloads.Request`s) through an engine `LLM`: exactly output_len tokens
+    each (EOS ignored), on `prompts` (token ids, one list per request) or else on seeded random ids of each
+    prompt_len. With `replay_arrivals` the requests arrive at their arrival times on the engine clock;
+    otherwise all at once (an offline batch). `desc`: show a progress bar over finished requests."""
     import time
+
+    from tqdm.auto import tqdm
 
     from llmso_lab.engine import SamplingParams   # the simulator itself does not need the engine
 
     reqs = list(requests)
-    rng = np.random.default_rng(seed)
-    vocab = llm.model_runner.vocab_size
+    if prompts is None:
+        rng = np.random.default_rng(seed)
+        prompts = [rng.integers(16, llm.model_runner.vocab_size, size=r.prompt_len).tolist() for r in reqs]
     t0 = llm.clock()
     ids = []
-    for r in reqs:
-        prompt = {"prompt_token_ids": rng.integers(16, vocab, size=r.prompt_len).tolist()}
+    for r, prompt in zip(reqs, prompts, strict=True):
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
-        ids.append(llm.add_request(prompt, params, priority=r.priority,
+        ids.append(llm.add_request({"prompt_token_ids": prompt}, params, priority=r.priority,
                                    arrival_time=t0 + r.arrival_time if replay_arrivals else None))
     done, traces = {}, []
-    while llm.has_unfinished_requests():
-        finished, trace = llm.step()
-        traces.append(trace)
-        if not trace.num_batched_tokens and not finished:
-            time.sleep(0.001)                         # waiting for the next arrival
-        done.update({o.request_id: o for o in finished})
+    with tqdm(total=len(reqs), desc=desc, disable=desc is None) as bar:
+        while llm.has_unfinished_requests():
+            finished, trace = llm.step()
+            traces.append(trace)
+            if not trace.num_batched_tokens and not finished:
+                time.sleep(0.001)                         # waiting for the next arrival
+            done.update({o.request_id: o for o in finished})
+            if finished:
+                bar.update(len(finished))
     wall = llm.clock() - t0
     outs = [done[i] for i in ids]
     return EngineRun(outs, traces, wall, sum(len(o.outputs[0].token_ids) for o in outs))
