@@ -18,6 +18,11 @@ def test_bench_batching_structure():
     assert all(r["requests"] == 5 for r in res["table"][:3])
     assert rows["engine static"]["padded_tokens"] > 0 == rows["engine continuous"]["padded_tokens"]
     assert res["batch1_ceiling_tok_s"] > 0 and res["memory_bandwidth_GB_s"] > 0
+    step = res["batch1_step_ms"]
+    assert step["engine"] > step["matmuls_only"] > 0 and step["hf_generate"] > step["matmuls_only"]
+    assert abs(step["engine"] - step["matmuls_only"] - step["engine_other_ops"]) < 0.02
+    mm_row = rows["engine's weight matmuls alone, batch 1"]
+    assert rows["memory-bandwidth ceiling, batch 1"]["decode_tok_s"] >= mm_row["decode_tok_s"] > 0  # a ceiling is never beaten
     assert all(isinstance(v, (int, float, str)) for r in res["table"] for v in r.values())
     json.dumps(res)
     assert {"device", "date", "command"} <= set(res)
