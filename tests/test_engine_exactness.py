@@ -214,3 +214,22 @@ def test_max_model_len_truncates_with_length():
     out = llm.generate({"prompt_token_ids": PROMPTS[4]}, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
     assert len(PROMPTS[4]) + len(out.outputs[0].token_ids) == 20
     assert out.outputs[0].token_ids == ref[4][:20 - len(PROMPTS[4])] and out.outputs[0].finish_reason == "length"
+
+
+SPLIT = [("llama", dict()), ("llama", dict(max_num_batched_tokens=3, enable_prefix_caching=True, num_kv_blocks=MAX_LEN // BLOCK)),
+         ("llama", dict(batching="static", max_num_seqs=4)), ("mistral", dict()), ("qwen2sw", dict(max_num_batched_tokens=4))]
+
+
+@pytest.mark.parametrize("name,kwargs", SPLIT, ids=[f"{n}-{i}" for i, (n, _) in enumerate(SPLIT)])
+def test_decode_length_groups_match_hf(name, kwargs, monkeypatch):
+    """Free groups: the torch backend splits every decode batch by block count, and tokens stay HF's."""
+    from llmso_lab.engine.attention import TorchAttentionBackend
+
+    monkeypatch.setattr(TorchAttentionBackend, "GROUP_COST_BLOCKS", 0)
+    calls = []
+    split = TorchAttentionBackend._decode_groups
+    monkeypatch.setattr(TorchAttentionBackend, "_decode_groups", lambda self, *a: calls.append(split(self, *a)) or calls[-1])
+    model, ref = model_and_reference(name)
+    got, _ = run_engine(model, **kwargs)
+    assert_same(got, ref, f"{name} {kwargs} split by length")
+    assert max(len(groups) for groups in calls) > 1, "no decode batch was split"
