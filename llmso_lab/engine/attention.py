@@ -65,6 +65,8 @@ def length_groups(lengths: list[int], group_cost: int) -> list[list[int]]:
 
 class TorchAttentionBackend:
     """Reference backend: gather each sequence's cached blocks and run SDPA (exact math, fp32 softmax).
+    Decodes are batched in groups of similar context length, so that short sequences are not padded to the
+    longest one in the batch (the gather copies every padded key).
 
     `plan(meta)` runs once per step, before the layers (FlashInfer's plan/run split): the gather indices and
     masks, the same for every layer, are built on first use and reused by the other layers.
