@@ -3,8 +3,8 @@
 Prints the ceilings and answers a chat prompt with SmolLM2 (tqdm bar over generated tokens). Then one workload
 (12 requests that share a 128-token system prompt, EOS ignored, 4 slots) goes through Hugging Face static
 batching and the engine (static; continuous; continuous + prefix caching with the system prompt already
-cached; the same with a KV cache that holds only the longest request, so requests get preempted): a table of throughput, TTFT/TPOT p50/p99, E2E p50,
-preemptions and prefix cache hit rate, and the measured ratios. Plots in `out/demo/`: roofline, the lecture's
+cached; the same with a KV cache that holds only the longest request, so requests get preempted): a table
+of throughput, TTFT/TPOT p50/p99, E2E p50, preemptions and prefix cache hit rate, and the measured ratios. Plots in `out/demo/`: roofline, the lecture's
 slot grids, the engine's real slot grids (static, continuous) and the TTFT/TPOT CDFs of every system.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: 
     small_kv = cdiv(max_len, 16)   # 16-token blocks for the longest request alone: the others must wait or be preempted
     print(f"\nServing {num_requests} requests: a shared {prefix_len}-token system prompt + {own_len[0]}-{own_len[1]} "
           f"own tokens, {output_len[0]}-{output_len[1]} output tokens (EOS ignored), {slots} slots")
-    hf_row, hf_ttft, hf_tpot = _hf_static(model, reqs, prompts, slots, model.config.pad_token_id or 0)
+    hf_row, hf_metrics = _hf_static(model, reqs, prompts, slots, model.config.pad_token_id or 0)
     settings = {  # row label: (batching, extra LLM arguments)
         "engine static": ("static", {}),
         "engine continuous": ("continuous", {}),
@@ -132,8 +132,9 @@ def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: 
     rows = [hf_row] + [row for row, _, _ in runs.values()]
     print_table([{header: r[k] for k, header in COLUMNS.items()} for r in rows])
 
-    ttft = {hf_row["system"]: hf_ttft, **{k: [o.metrics.ttft for o in outs] for k, (_, outs, _) in runs.items()}}
-    tpot = {hf_row["system"]: hf_tpot, **{k: [o.metrics.tpot for o in outs] for k, (_, outs, _) in runs.items()}}
+    metrics = {hf_row["system"]: hf_metrics, **{k: [o.metrics for o in outs] for k, (_, outs, _) in runs.items()}}
+    ttft = {k: [m.ttft for m in ms] for k, ms in metrics.items()}
+    tpot = {k: [m.tpot for m in ms] for k, ms in metrics.items()}
     speedup = runs["engine continuous"][0]["output_tok_s"] / hf_row["output_tok_s"]
     print(f"continuous batching vs HF static batching: {speedup:.2f}x output tokens/s")
     off, on = (statistics.median(ttft[k]) for k in ("engine continuous", "engine continuous + prefix cache"))

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from llmso_lab import hardware as hw
 from llmso_lab.bench.attention import _device_name
-from llmso_lab.workloads import Request, make_workload, percentiles
+from llmso_lab.workloads import Request, RequestMetrics, latency_summary, make_workload
 
 __all__ = ["run", "workload"]
 
@@ -56,10 +56,12 @@ def workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[i
     return reqs, [prefix + p for p in own]
 
 
-def _latency_row(name: str, out_tokens: int, seconds: float, ttft: list[float], tpot: list[float], e2e: list[float],
-                 **extra) -> dict:
-    t, d, e = percentiles(ttft, (50, 99)), percentiles(tpot, (50, 99)), percentiles(e2e, (50, 99))
-    return {"system": name, "requests": len(e2e), "output_tokens": out_tokens, "seconds": round(seconds, 2),
+def _latency_row(name: str, metrics: list[RequestMetrics], seconds: float, **extra) -> dict:
+    """One table row: output tokens/s over `seconds` and the TTFT/TPOT/E2E percentiles of `metrics`."""
+    summary = latency_summary(metrics, (50, 99))
+    t, d, e = summary["ttft_s"], summary["tpot_s"], summary["e2e_s"]
+    out_tokens = sum(m.output_len for m in metrics)
+    return {"system": name, "requests": len(metrics), "output_tokens": out_tokens, "seconds": round(seconds, 2),
             "output_tok_s": round(out_tokens / seconds, 1), "ttft_p50_s": round(t["p50"], 2),
             "ttft_p99_s": round(t["p99"], 2), "tpot_p50_ms": round(1e3 * d["p50"], 1),
             "tpot_p99_ms": round(1e3 * d["p99"], 1), "e2e_p50_s": round(e["p50"], 2), "e2e_p99_s": round(e["p99"], 2),
@@ -79,15 +81,13 @@ def _engine(model, tokenizer, batching: str, reqs, prompts, max_num_seqs: int, m
     if warmup_prompt is not None:
         llm.generate([{"prompt_token_ids": warmup_prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
     run = run_on_engine(llm, reqs, prompts=prompts, desc=label)
-    outs, traces, seconds = run.outputs, run.traces, run.wall_s
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n == sum(r.output_len for r in reqs), "the engine must make exactly the requested tokens"
+    outs = run.outputs
+    assert run.num_output_tokens == sum(r.output_len for r in reqs), "the engine must make exactly the requested tokens"
     st = llm.stats()
     cached = sum(o.num_cached_tokens for o in outs) / sum(len(o.prompt_token_ids) for o in outs)   # these requests only
-    row = _latency_row(label, n, seconds, [o.metrics.ttft for o in outs], [o.metrics.tpot for o in outs],
-                       [o.metrics.e2e for o in outs], padded_tokens=st["num_padded_tokens"],
+    row = _latency_row(label, [o.metrics for o in outs], run.wall_s, padded_tokens=st["num_padded_tokens"],
                        preemptions=st["num_preemptions_total"], prefix_hit_rate=round(cached, 2))
-    return row, outs, traces
+    return row, outs, run.traces
 
 
 class _StepClock:
@@ -116,29 +116,27 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int, pad_id: int) ->
     return clock.times
 
 
-def _hf_static(model, reqs, prompts, max_num_seqs: int, pad_id: int) -> tuple[dict, list[float], list[float]]:
-    """HF `generate` on static batches. Returns (table row, TTFT per request, TPOT per request)."""
-    ttft, tpot, e2e, useful = [], [], [], 0
+def _hf_static(model, reqs, prompts, max_num_seqs: int, pad_id: int) -> tuple[dict, list[RequestMetrics]]:
+    """HF `generate` on static batches. Returns (table row, metrics per request)."""
+    metrics = []
     t0 = time.perf_counter()
     for first in tqdm(range(0, len(reqs), max_num_seqs), desc="HF generate (static batches)"):
         rs = reqs[first:first + max_num_seqs]
         times = _hf_generate(model, prompts[first:first + max_num_seqs], max(r.output_len for r in rs), pad_id)
-        done = time.perf_counter()
-        ttft += [times[0] - t0] * len(rs)   # every request arrived at t0
-        # a request's own tokens are the batch's first n; the rest of its row is wasted work
-        tpot += [(times[r.output_len - 1] - times[0]) / (r.output_len - 1) if r.output_len > 1 else 0.0 for r in rs]
-        e2e += [done - t0] * len(rs)         # a static batch returns all its rows together
-        useful += sum(r.output_len for r in rs)
-    row = _latency_row("HF generate static", useful, time.perf_counter() - t0, ttft, tpot, e2e,
-                       preemptions=0, prefix_hit_rate="-")
-    return row, ttft, tpot
+        done = time.perf_counter()   # a static batch returns all its rows together
+        # every request arrived at t0; its own tokens are the batch's first output_len, the rest of its row is
+        # wasted work
+        metrics += [RequestMetrics(first + i, t0, times[0], done, r.prompt_len, r.output_len,
+                                   token_times=times[:r.output_len]) for i, r in enumerate(rs)]
+    row = _latency_row("HF generate static", metrics, time.perf_counter() - t0, preemptions=0, prefix_hit_rate="-")
+    return row, metrics
 
 
 def _matmuls_only(runner, steps: int = 8) -> float:
     """Seconds per batch-1 decode step spent on the runner's weight matmuls alone (4 per layer + the LM head):
     the step with every small op (norms, RoPE, KV write, attention, SwiGLU, residuals) taken out. What a
     decode step costs above this is per-op overhead, which GPU engines remove with CUDA graphs and fusion."""
-    weights = [m for w in runner.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [runner.lm_head]
+    weights = runner.weight_matrices()
     inputs = {n: torch.ones(1, n, dtype=runner.dtype, device=runner.device) for n in {m.shape[0] for m in weights}}
     times = []
     with torch.inference_mode():

@@ -132,6 +132,10 @@ class ModelRunner:
             gate_up=_t(_cat(m.gate_proj.weight, m.up_proj.weight)), gate_up_bias=_cat(m.gate_proj.bias, m.up_proj.bias),
             down=_t(m.down_proj.weight), down_bias=_cat(m.down_proj.bias), sliding_window=window)
 
+    def weight_matrices(self) -> list[Tensor]:
+        """The matrices one forward multiplies by, in order: q/k/v, o, gate/up, down per layer, then the LM head."""
+        return [m for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [self.lm_head]
+
     # ---- batch construction ------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """Flatten the scheduled sequences into one varlen batch (one-token sequences first)."""
