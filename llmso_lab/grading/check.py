@@ -1,20 +1,23 @@
 """`check("name")`: instant feedback in the notebook on an exercise's public checks.
 
-It finds your function in the notebook's namespace, runs the public cases (in this process; the real
-grader uses a sandbox), compares with the library reference and prints what passed and what failed.
+It finds your function (or kernel) in the notebook's namespace and runs the public cases in this process,
+with the same code the grader's sandboxed child runs (`protocol.attempt`) and the same judgement
+(`protocol.verdict`), so a check and the grade agree. The library reference is disabled meanwhile and
+restored afterwards. Each case gets fresh copies of its inputs: a function that changes them in place
+cannot change what later checks see.
 """
 from __future__ import annotations
 
 import html
 import inspect
-import traceback
 from dataclasses import dataclass
+from functools import partial
 
-from llmso_lab.grading.compare import check_plain
+from llmso_lab.grading.protocol import attempt, verdict
 from llmso_lab.grading.registry import Exercise, get_exercise, resolve, run_case
-from llmso_lab.grading.tripwire import MARK, tripwire
+from llmso_lab.grading.tripwire import tripwire
 
-__all__ = ["check", "CheckResult"]
+__all__ = ["check", "CheckResult", "check_target"]
 
 
 @dataclass(slots=True)
@@ -40,36 +43,41 @@ class CheckResult:
                 f"public checks<ul>{items}</ul></div>")
 
 
-def _run_one(ex: Exercise, fn, i: int) -> str | None:
-    case = ex.cases[i]
-    expected = run_case(resolve(ex.oracle or ex.reference), case, ex.kind)
-    try:
-        with tripwire(ex.disabled, ex.name):
-            got = run_case(fn, case, ex.kind)
-        check_plain(got)
-    except NotImplementedError:
-        return "not implemented yet (replace the `raise NotImplementedError` line with your code)"
-    except Exception as exc:
-        if MARK in str(exc):
-            return str(exc)[str(exc).index(MARK):]
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        return f"{type(exc).__name__}: {exc} (line {frame.lineno})"
-    return case.compare(got, expected)
+def check_target(ex: Exercise, obj):
+    """(what to call, its source file) for the object the student defined; a kernel goes through the
+    library's launcher, as in the grader."""
+    if ex.launcher is None:
+        return obj, getattr(getattr(obj, "__code__", None), "co_filename", None)
+    code = getattr(getattr(obj, "fn", None), "__code__", None)
+    if not callable(getattr(obj, "run", None)) or code is None:
+        raise TypeError(f"`{ex.graded_name}` must be a @triton.jit kernel")
+    return partial(resolve(ex.launcher), obj), code.co_filename
+
+
+def outcome_in_process(ex: Exercise, obj, index: int) -> dict:
+    """Run case `index` on the student's object here, references disabled (what the grader's child does)."""
+    target, source_file = check_target(ex, obj)
+    with tripwire(ex.disabled, ex.key):
+        return attempt(target, ex.cases[index], ex.kind, source_file, catch_interrupt=False)
 
 
 def check(name: str, fn=None) -> CheckResult:
     """Run the public checks of exercise `name` on your implementation (found by name in the notebook)."""
     ex = get_exercise(name)
     if fn is None:
-        caller = inspect.currentframe().f_back.f_globals
-        fn = caller.get(name)
+        fn = inspect.currentframe().f_back.f_globals.get(ex.graded_name)
     if fn is None:
-        return CheckResult(name, 0, 0, [f"`{name}` is not defined: run the exercise cell first"])
-    public = [i for i, c in enumerate(ex.cases) if not c.hidden]
-    lines, passed = [], 0
+        return CheckResult(ex.name, 0, 0, [f"`{ex.graded_name}` is not defined: run the exercise cell first"])
+    try:
+        check_target(ex, fn)
+    except TypeError as exc:
+        return CheckResult(ex.name, 0, 0, [str(exc)])
+    oracle = resolve(ex.oracle or ex.reference)
+    lines, passed, public = [], 0, [i for i, c in enumerate(ex.cases) if not c.hidden]
     for i in public:
-        msg = _run_one(ex, fn, i)
+        expected = run_case(oracle, ex.cases[i], ex.kind)
+        msg = verdict(ex, ex.cases[i], outcome_in_process(ex, fn, i), expected)
         passed += msg is None
         lines.append(f"ok   {ex.cases[i].label}" if msg is None else f"FAIL {ex.cases[i].label}: {msg}")
     lines.append(f"({ex.points:g} points; the grader also runs hidden checks)")
-    return CheckResult(name, passed, len(public), lines)
+    return CheckResult(ex.name, passed, len(public), lines)

@@ -1,31 +1,16 @@
-"""The student's side of grading: `python -m llmso_lab.grading.child JOB_DIR`.
+"""The student's side of grading: `python -m llmso_lab.grading.child` (cwd: the job's work dir).
 
-Runs in its own process group, in a fresh temp dir, under address-space/CPU/file-size rlimits. It
-executes ONE exercise cell, calls the student's code on the inputs in `cases.pt`, and writes only plain
-data to `out.pt` after every case. It never sees expected values; the grader compares and scores.
-Functions that start processes (the parallelism lab) work the same way: their children inherit the
-rlimits and the process group, and the grader kills the whole group on timeout.
+Runs in the sandbox (`sandbox.py`) against the student bundle's copy of the library, in which the exercise's
+references are stubs (`tripwire.stub_package`). It executes ONE exercise cell, then answers the grader's
+cases one at a time over two pipes (`protocol.py`). It never sees expected values nor a list of the hidden
+cases; the grader compares and scores. Functions that start processes (the parallelism lab) work the same
+way: their children live in the job's PID namespace and die with it.
 """
 from __future__ import annotations
 
 import json
+import linecache
 import os
-import sys
-import traceback
-
-
-def _limit(memory_mb: int, cpu_s: int) -> None:
-    try:
-        import resource
-    except ImportError:  # not on Linux/macOS: wall-clock timeout only
-        return
-    for res, val in ((resource.RLIMIT_AS, memory_mb * 2**20), (resource.RLIMIT_CPU, cpu_s),
-                     (resource.RLIMIT_FSIZE, 512 * 2**20), (resource.RLIMIT_CORE, 0)):
-        try:
-            resource.setrlimit(res, (val, val))
-        except (ValueError, OSError):
-            pass
-
 
 PRELUDE = """\
 import math, random, itertools, functools, collections
@@ -42,97 +27,80 @@ except Exception:
 """
 
 
-def main(job_dir: str) -> None:
-    with open(os.path.join(job_dir, "job.json")) as f:
-        job = json.load(f)
-    _limit(job["memory_mb"], job["cpu_s"])
-    import linecache
+def _limit(rlimits: dict[str, int]) -> None:
+    """Reduced sandbox only (the isolated one sets these before exec)."""
+    try:
+        import resource
+    except ImportError:  # not on Linux/macOS: wall-clock timeout only
+        return
+    for name, value in rlimits.items():
+        try:
+            resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (value, value))
+        except (ValueError, OSError, AttributeError):
+            pass
 
+
+def _target(job: dict, ns: dict, cell_file: str):
+    """(callable to grade, None) or (None, why not)."""
+    from functools import partial
+
+    from llmso_lab.grading.registry import resolve
+
+    name = job["graded_name"]
+    obj = ns.get(name)
+    if obj is None:
+        return None, f"`{name}` is not defined after running its cell"
+    if not job["launcher"]:
+        return obj, None
+    # A Triton exercise: the student's kernel, launched by the library's launcher (a fixed grid), so the
+    # result is whatever the kernel computes and nothing else the cell might do.
+    code = getattr(getattr(obj, "fn", None), "__code__", None)
+    if not callable(getattr(obj, "run", None)) or code is None or code.co_filename != cell_file:
+        return None, f"`{name}` must be the @triton.jit kernel defined in the exercise cell"
+    return partial(resolve(job["launcher"]), obj), None
+
+
+def main() -> None:
+    with open("job.json") as f:
+        job = json.load(f)
+    rfd, wfd = (int(x) for x in os.environ.pop("LLMSO_GRADE_FDS").split(","))
+    if job.get("rlimits"):
+        _limit(job["rlimits"])
     import torch
 
     torch.set_num_threads(1)
-    from llmso_lab.grading.registry import Case, run_case
-    from llmso_lab.grading.tripwire import tripwire
+    from llmso_lab.grading.protocol import attempt, describe, recv, send
+    from llmso_lab.grading.registry import Case
+    from llmso_lab.grading.tripwire import disable
 
-    out_path = os.path.join(job_dir, "out.pt")
-    state = {"cell_error": None, "found": False, "results": [], "done": False}
-
-    def save() -> None:
-        tmp = out_path + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, out_path)
-
-    cases = torch.load(os.path.join(job_dir, "cases.pt"), weights_only=True)
-    tw = tripwire(job["disabled"], job["exercise"])
-    tw.__enter__()  # never undone: this process only ever runs student code from here on
+    disable(job["runtime_tripwires"], job["exercise"])   # builtins; library references are stubs already
     ns: dict = {"__name__": "__main__"}
     exec(compile(PRELUDE, "<prelude>", "exec"), ns)
     # Give the cell a real file so inspect.getsource works (Triton's @jit needs it).
-    cell_file = os.path.join(job_dir, "exercise_cell.py")
+    cell_file = os.path.abspath("exercise_cell.py")
     with open(cell_file, "w") as f:
         f.write(job["source"])
     linecache.cache[cell_file] = (len(job["source"]), None, job["source"].splitlines(True), cell_file)
+    cell_error = None
     try:
         exec(compile(job["source"], cell_file, "exec"), ns)
     except BaseException as exc:  # SystemExit, KeyboardInterrupt included: report and carry on
-        state["cell_error"] = _describe(exc, cell_file)
-    target = ns.get(job["exercise"])
-    state["found"] = target is not None
+        cell_error = describe(exc, cell_file)["error"]
+    target, problem = _target(job, ns, cell_file)
+    send(wfd, {"cell_error": cell_error, "problem": problem})
     if target is None:
-        state["done"] = True
-        save()
         return
-    save()
-    for spec in cases:
-        case = Case(label="", args=tuple(spec["args"]), kwargs=dict(spec["kwargs"]),
-                    calls=[(m, tuple(a), dict(k)) for m, a, k in spec["calls"]] if spec["calls"] is not None else None)
+    while True:
         try:
-            value = _plain(run_case(target, case, job["kind"]))
-            state["results"].append({"ok": True, "value": value, "error": ""})
-        except BaseException as exc:
-            state["results"].append({"ok": False, "value": None, "error": _describe(exc, cell_file)})
-        save()
-    state["done"] = True
-    save()
-
-
-def _describe(exc: BaseException, cell_file: str) -> str:
-    if isinstance(exc, SystemExit):
-        return f"the code called sys.exit({exc.code!r}); exercises must return a value instead"
-    if isinstance(exc, NotImplementedError):
-        return f"not implemented yet ({exc})"
-    if isinstance(exc, MemoryError):
-        return "ran out of memory (the grader limits memory; is something allocating far too much?)"
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = [f"line {fr.lineno}" for fr in tb if fr.filename == cell_file]
-    at = f" at {where[-1]} of the exercise cell" if where else ""
-    msg = f"{type(exc).__name__}{at}: {exc}"
-    if isinstance(exc, NameError):
-        msg += " (exercise cells are graded on their own: import or define what they use inside the cell)"
-    return msg[:2000]
-
-
-def _plain(obj, depth: int = 0):
-    """Convert a student's result to plain data, refusing anything else."""
-    import numpy as np
-    import torch
-
-    if depth > 20:
-        raise TypeError("the result is nested too deeply")
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().as_subclass(torch.Tensor).clone()
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.array(obj))
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if type(obj) in (int, float, bool, str, type(None)):
-        return obj
-    if type(obj) in (list, tuple):
-        return type(obj)(_plain(x, depth + 1) for x in obj)
-    if type(obj) is dict:
-        return {k: _plain(v, depth + 1) for k, v in obj.items() if type(k) in (str, int)}
-    raise TypeError(f"returned a {type(obj).__name__}; return tensors, numbers, strings, lists or dicts")
+            msg = recv(rfd)
+        except EOFError:
+            return
+        if msg.get("done"):
+            return
+        calls = [(m, tuple(a), dict(k)) for m, a, k in msg["calls"]] if msg["calls"] is not None else None
+        case = Case("", tuple(msg["args"]), dict(msg["kwargs"]), calls=calls)
+        send(wfd, attempt(target, case, job["kind"], cell_file))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

@@ -1,29 +1,45 @@
 """Disable the library references of the exercise being graded, so that calling them earns nothing.
 
-A Python function's code object is swapped in place, so every alias of it (a name imported earlier, a
-method of a class, a function stored in a dict) trips too. Anything else (a builtin such as torch's SDPA)
-is replaced by name in its module. `check()` restores everything afterwards; the grader's child never does.
+Two mechanisms, one message:
+- in the grader's sandbox the student's process imports a copy of the library whose disabled functions
+  were rewritten at the source (`stub_package`): reloading the module, exec-ing its source, starting a fresh
+  interpreter or a spawned process all find the stub, because the original text is not there;
+- `check()` runs in the student's own kernel, so it swaps code objects in place (`tripwire`) and restores
+  them afterwards: every alias of a Python function trips (a name imported earlier, a method, a function
+  stored in a dict, a closure). Builtins (torch's SDPA, Tensor methods) are replaced by name in their owner;
+  the grader's child does this too (`disable`), for what has no source to rewrite.
+A student can still copy library source by hand; the grader reports near-copies to the instructor.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 from llmso_lab.grading.registry import resolve
 
 MARK = "TRIPWIRE"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]   # the llmso_lab package the references come from
 
 
-def _tripwire_function(message: str):
-    src = f"def _tripwire(*args, **kwargs):\n    raise RuntimeError({message!r})\n"
-    ns: dict = {}
-    exec(compile(src, "<tripwire>", "exec"), ns)
-    return ns["_tripwire"]
+def message(ref: str, exercise: str) -> str:
+    return (f"{MARK}: your code called {ref.replace(':', '.')}, which is disabled while exercise '{exercise}' is "
+            "graded (it would do the exercise for you); write your own implementation.")
 
 
-def _functions(obj) -> list:
+def _unwrap(obj: Any) -> Any:
+    while hasattr(obj, "__wrapped__") and not inspect.isclass(obj):
+        obj = obj.__wrapped__
+    return obj
+
+
+def _functions(obj: Any) -> list:
+    if isinstance(obj, property):
+        obj = obj.fget
+    obj = _unwrap(obj)
     if inspect.isfunction(obj):
         return [obj]
     if inspect.isclass(obj):
@@ -31,35 +47,161 @@ def _functions(obj) -> list:
         for v in vars(obj).values():
             v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
             v = v.fget if isinstance(v, property) else v
-            if inspect.isfunction(v):
-                fns.append(v)
+            if inspect.isfunction(_unwrap(v)):
+                fns.append(_unwrap(v))
         return fns
     return []
+
+
+def _trip_code(text: str, freevars: tuple[str, ...]):
+    """A code object that raises RuntimeError(text) and has exactly these free variables (so it can replace
+    the code of a closure: a function's code and its closure cells must agree)."""
+    if not freevars:
+        src = f"def _tripwire(*args, **kwargs):\n    raise RuntimeError({text!r})\n"
+        ns: dict = {}
+        exec(compile(src, "<tripwire>", "exec"), ns)
+        return ns["_tripwire"].__code__
+    names = ", ".join(freevars)
+    src = (f"def _outer():\n    {names} = {', '.join(['None'] * len(freevars))}\n"
+           f"    def _tripwire(*args, **kwargs):\n        ({names},)\n        raise RuntimeError({text!r})\n"
+           f"    return _tripwire\n")
+    ns = {}
+    exec(compile(src, "<tripwire>", "exec"), ns)
+    code = ns["_outer"]().__code__
+    return code if code.co_freevars == freevars else None
+
+
+def _owner(ref: str) -> tuple[Any, str]:
+    mod, _, attr = ref.partition(":")
+    parent, _, last = attr.rpartition(".")
+    return (resolve(f"{mod}:{parent}") if parent else importlib.import_module(mod)), last
+
+
+def why_not_disableable(ref: str) -> str | None:
+    """None when `ref` can be disabled by both mechanisms, else the reason."""
+    try:
+        obj = resolve(ref)
+    except (ImportError, AttributeError) as exc:
+        return f"it does not resolve ({type(exc).__name__}: {exc})"
+    fns = _functions(obj)
+    if inspect.isclass(_unwrap(obj)) and not fns:
+        return "a class without methods"
+    for fn in fns:
+        if _trip_code("x", fn.__code__.co_freevars) is None:
+            return f"{fn.__qualname__} has free variables a tripwire cannot take"
+        if _in_package(fn) and _locate_def(fn) is None:
+            return f"cannot find the source of {fn.__qualname__} to stub it"
+    if not fns:
+        try:
+            owner, last = _owner(ref)
+            setattr(owner, last, getattr(owner, last))
+        except (AttributeError, TypeError, ImportError) as exc:
+            return f"it cannot be replaced by name ({exc})"
+    return None
+
+
+# ---- runtime: check() and, for builtins, the grader's child ----------------------------------
+def _swap(refs: Sequence[str], exercise: str) -> list:
+    saved = []
+    for ref in refs:
+        obj = resolve(ref)
+        fns = _functions(obj)
+        for fn in fns:
+            code = _trip_code(message(ref, exercise), fn.__code__.co_freevars)
+            saved.append((fn, "__code__", fn.__code__))
+            fn.__code__ = code
+        if hasattr(obj, "cache_clear"):  # a functools cache would answer without calling the code
+            obj.cache_clear()
+        if not fns:  # a builtin or C function: replace it by name in its owner
+            owner, last = _owner(ref)
+            saved.append((owner, last, getattr(owner, last)))
+            ns: dict = {}
+            exec(compile(f"def _tripwire(*args, **kwargs):\n    raise RuntimeError({message(ref, exercise)!r})\n",
+                         "<tripwire>", "exec"), ns)
+            setattr(owner, last, ns["_tripwire"])
+    return saved
 
 
 @contextmanager
 def tripwire(references: str | Sequence[str], exercise: str) -> Iterator[None]:
     """While active, any call into `references` ("module:attr") raises RuntimeError('TRIPWIRE: ...')."""
-    saved_code, saved_attr = [], []
-    for ref in [references] if isinstance(references, str) else references:
-        message = (f"{MARK}: your code called {ref.replace(':', '.')}, which is disabled while exercise "
-                   f"'{exercise}' is graded (it would do the exercise for you); write your own implementation.")
-        trip = _tripwire_function(message)
-        obj = resolve(ref)
-        fns = _functions(obj)
-        for fn in fns:
-            if fn.__closure__ is None:  # a code object can only replace one with the same free variables
-                saved_code.append((fn, fn.__code__))
-                fn.__code__ = trip.__code__
-        if not fns:  # a builtin or C function: replace it by name in its module
-            mod, _, attr = ref.partition(":")
-            owner = importlib.import_module(mod)
-            saved_attr.append((owner, attr, getattr(owner, attr)))
-            setattr(owner, attr, trip)
+    saved = _swap([references] if isinstance(references, str) else list(references), exercise)
     try:
         yield
     finally:
-        for fn, original in saved_code:
-            fn.__code__ = original
-        for owner, attr, original in saved_attr:
+        for owner, attr, original in reversed(saved):
             setattr(owner, attr, original)
+
+
+def disable(references: Sequence[str], exercise: str) -> None:
+    """Disable for good (the grader's child); keeps no reference to the originals. References whose module
+    is not importable here (nothing outside the student bundle is) cannot be called anyway."""
+    for ref in references:
+        try:
+            resolve(ref)
+        except ImportError:
+            continue
+        _swap([ref], exercise)
+
+
+# ---- source: the student bundle the grader's child imports -------------------------------------
+def _in_package(fn: Any) -> bool:
+    try:
+        return Path(inspect.getsourcefile(fn) or "").resolve().is_relative_to(PACKAGE_DIR)
+    except TypeError:
+        return False
+
+
+def _locate_def(fn: Any) -> tuple[Path, str] | None:
+    """(file relative to the package, qualname) of a function defined at module or class level."""
+    path = Path(inspect.getsourcefile(fn)).resolve()
+    parts = fn.__qualname__.split(".")
+    if "<locals>" in parts:
+        return None
+    return (path.relative_to(PACKAGE_DIR), fn.__qualname__) if _find(ast.parse(path.read_text()), parts) else None
+
+
+def _find(tree: ast.AST, parts: list[str]) -> ast.AST | None:
+    node = tree
+    for part in parts:
+        node = next((n for n in getattr(node, "body", []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                             ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            return None
+    return node
+
+
+def _stub_source(source: str, targets: list[tuple[str, str]]) -> str:
+    """Replace the body of each (qualname, message) def with `raise RuntimeError(message)`."""
+    tree, lines = ast.parse(source), source.splitlines(keepends=True)
+    edits = []
+    for qualname, text in targets:
+        node = _find(tree, qualname.split("."))
+        assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)), qualname
+        first = node.body[0]
+        edits.append((first.lineno, first.col_offset, node.end_lineno, f"raise RuntimeError({text!r})"))
+    for start, col, end, stmt in sorted(edits, reverse=True):
+        head = lines[start - 1].encode()[:col].decode()   # col_offset counts UTF-8 bytes
+        lines[start - 1:end] = [head + stmt + "\n"]        # keeps `def f(): ` on a one-line def
+    out = "".join(lines)
+    compile(out, "<stubbed>", "exec")   # a stub must never break the module
+    return out
+
+
+def stub_package(package_copy: Path, references: Sequence[str], exercise: str) -> list[str]:
+    """Rewrite, in a copy of the llmso_lab package, every disabled function (every method of a disabled
+    class) to raise the tripwire message. Returns the references with no source here (for `disable`)."""
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    remaining = []
+    for ref in references:
+        fns = [fn for fn in _functions(resolve(ref)) if _in_package(fn)]
+        if not fns:
+            remaining.append(ref)
+            continue
+        for fn in fns:
+            rel, qualname = _locate_def(fn)
+            by_file.setdefault(rel, []).append((qualname, message(ref, exercise)))
+    for rel, targets in by_file.items():
+        path = Path(package_copy) / rel
+        path.write_text(_stub_source(path.read_text(), targets))
+    return remaining

@@ -1,8 +1,7 @@
 """Hidden checks for Lab 00 (instructor only; not in the student bundle)."""
-from llmso_lab.grading.registry import Case, get_exercise
-from llmso_lab.grading.specs.lab00 import rel
+from llmso_lab.grading.registry import hidden
 
-_HIDDEN = {
+hidden("00", {
     "matmul_arithmetic_intensity": [((8, 8192, 8192), {"bytes_per_elem": 2}), ((2048, 128, 2048), {"bytes_per_elem": 1}),
                                     ((1, 1, 1), {"bytes_per_elem": 4})],
     "roofline_time": [((0.0, 5e9, 1e12, 1e11), {}), ((7e12, 7.0, 1e12, 1e9), {}), ((3e14, 3e11, 3e14, 3e11), {})],
@@ -12,8 +11,4 @@ _HIDDEN = {
     "decode_tokens_per_s_bound": [((16e9, 1e12), {"batch": 64, "context_len": 2048, "kv_bytes_per_token": 131072}),
                                   ((538e6, 28e9), {}), ((2e9, 3e11), {"batch": 3, "context_len": 10,
                                                                        "kv_bytes_per_token": 7})],
-}
-
-for name, cases in _HIDDEN.items():
-    ex = get_exercise(name)
-    ex.cases += [Case(f"hidden {i + 1}", a, k, compare=rel, hidden=True) for i, (a, k) in enumerate(cases)]
+})

@@ -1,9 +1,9 @@
 """Hidden checks for Lab 02 (instructor only; not in the student bundle): ties, empty queues, edge budgets."""
-from llmso_lab.grading.registry import Case, get_exercise
-from llmso_lab.grading.specs.lab02 import req, same
+from llmso_lab.grading.registry import hidden
+from llmso_lab.grading.specs.lab02 import req
 
 _tie = [req("x", 1.0, 1, 64), req("y", 1.0, 1, 64), req("z", 0.0, 1, 64)]   # same key but for the list position
-_HIDDEN = {
+hidden("02", {
     "plan_token_budget": [
         ((["d"], [("a", 7), ("b", 4)], 8), {}),                                  # budget exactly exhausted by 'a'
         ((["d"], [("a", 7), ("b", 4)], 8), {"enable_chunked_prefill": False}),
@@ -32,11 +32,8 @@ _HIDDEN = {
         (([req("long", 0.0, predicted_len=300), req("s1", 5.0, predicted_len=100)],), {"now": 5.0, "aging": 40.0}),
         (([req("long", 0.0, predicted_len=300), req("s1", 5.0, predicted_len=100)],), {"now": 5.0, "aging": 20.0}),
         (([req("future", 9.0, predicted_len=10), req("now", 1.0, predicted_len=10)],), {"now": 2.0, "aging": 1.0}),
+        (([req("x", 1.0, predicted_len=14), req("future", 9.0, predicted_len=10)],), {"now": 2.0, "aging": 1.0}),  # no negative credit
         (([req(i, float(i), predicted_len=float(64 - 8 * i)) for i in range(6)],), {"now": 4.0, "aging": 8.0}),
         (([req("a", 2.0, 9, 30), req("b", 0.0, 0, 30), req("c", 1.0, 0, 28)],), {"now": 1.0, "aging": 2.0}),
     ],
-}
-
-for name, cases in _HIDDEN.items():
-    ex = get_exercise(name)
-    ex.cases += [Case(f"hidden {i + 1}", a, k, compare=same, hidden=True) for i, (a, k) in enumerate(cases)]
+})

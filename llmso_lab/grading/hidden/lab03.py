@@ -1,10 +1,9 @@
 """Hidden checks for Lab 03 (instructor only; not in the student bundle): odd lengths, GQA, edge cases."""
 import torch
 
-from llmso_lab.grading.registry import Case, get_exercise
+from llmso_lab.grading.registry import hidden
 from llmso_lab.grading.specs.lab03 import (
-    NEG_INF, empty_state, fp32, kernel, paged_cache, qkv, randn, same, shuffled_table, softmax_state, split_attention,
-    with_masked,
+    NEG_INF, empty_state, paged_cache, qkv, randn, shuffled_table, softmax_state, split_attention, with_masked,
 )
 
 _m, _l, _acc = softmax_state((2, 4, 3), 8, seed=100)
@@ -17,7 +16,7 @@ _cache = paged_cache(9, 16, 3, 8, seed=130)
 _partly_masked = randn(3, 2, 7, seed=104)
 _partly_masked[0] = NEG_INF
 
-_HIDDEN = {
+hidden("03", {
     "online_softmax_update": [
         ((_m, _l, _acc, randn(2, 4, 3, 9, seed=101), randn(2, 4, 9, 8, seed=102)), {}),  # [B, H, M] batch dims
         ((_m, _l, _acc, randn(2, 4, 3, 1, seed=103) - 10.0, randn(2, 4, 1, 8, seed=105)), {}),  # 1 key, max unchanged
@@ -40,6 +39,7 @@ _HIDDEN = {
         ((_cache, shuffled_table(9, seed=132), 1), {}),  # one token
         ((_cache, shuffled_table(9, seed=133), 0), {}),  # empty sequence -> [0, Hkv, D]
         ((_cache, torch.tensor([7, 7, 2, 5, -1, -1], dtype=torch.int32), 37), {}),  # a repeated block id, table padded with -1
+        ((_cache, torch.tensor([4, 0, 8, 10**6, 10**6], dtype=torch.int32), 40), {}),  # padding is not a valid block id
         ((_cache, torch.tensor([8, 1, 0, 2, 6, 3, 5, 4, 7], dtype=torch.int32), 144), {}),  # every block, full
         ((paged_cache(4, 1, 1, 2, seed=134), torch.tensor([2, 0, 3], dtype=torch.int32), 3), {}),  # block_size 1
     ],
@@ -58,11 +58,4 @@ _HIDDEN = {
         (qkv(1, 2, 1, 20, 8, 16, seed=144), {"causal": True}),  # more queries than keys: first rows see no key
         (qkv(1, 2, 2, 33, 70, 16, seed=145), {"causal": False}),  # Nq != Nk, not causal
     ],
-}
-
-_COMPARE = {"online_softmax_update": fp32, "merge_attention_states": fp32, "gather_paged_kv": same,
-            "build_cu_seqlens": same, "flash_attention": kernel}
-
-for name, cases in _HIDDEN.items():
-    ex = get_exercise(name)
-    ex.cases += [Case(f"hidden {i + 1}", a, k, compare=_COMPARE[name], hidden=True) for i, (a, k) in enumerate(cases)]
+})

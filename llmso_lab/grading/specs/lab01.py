@@ -12,7 +12,8 @@ from llmso_lab.grading.compare import Comparator, exact
 from llmso_lab.grading.registry import Case, Exercise, register
 
 _same = exact()
-NO_SIM = ("llmso_lab.sim.simulator:simulate",)   # the simulator draws grids too: off while they are graded
+# The simulator and the engine-trace grid draw slot grids too: off while the grid exercises are graded.
+NO_SIM = ("llmso_lab.sim.simulator:simulate", "llmso_lab.sim.grid:trace_slot_grid")
 
 
 def _rows(x: Any) -> Any:
@@ -57,22 +58,23 @@ def req(i, prompt_len):
 
 register(
     Exercise("static_slot_grid", "01", 25, "llmso_lab.sim.grid:static_slot_grid", [
-        Case("the lecture's batch: 7, 3, 4, 2 tokens in 4 slots", ([7, 3, 4, 2], 4), compare=grid),
-        Case("all seven lecture requests: two batches", ([7, 3, 4, 2, 5, 4, 3], 4), compare=grid),
-        Case("5 requests, 2 slots: the last batch is not full", ([2, 5, 1, 1, 3], 2), compare=grid),
-    ], tripwires=NO_SIM, description="static batching's slot grid by hand"),
+        Case("the lecture's batch: 7, 3, 4, 2 tokens in 4 slots", ([7, 3, 4, 2], 4)),
+        Case("all seven lecture requests: two batches", ([7, 3, 4, 2, 5, 4, 3], 4)),
+        Case("5 requests, 2 slots: the last batch is not full", ([2, 5, 1, 1, 3], 2)),
+    ], compare=grid, tripwires=NO_SIM, description="static batching's slot grid by hand"),
     Exercise("continuous_slot_grid", "01", 35, "llmso_lab.sim.grid:continuous_slot_grid", [
-        Case("all seven lecture requests in 4 slots", ([7, 3, 4, 2, 5, 4, 3], 4), compare=grid),
-        Case("a long request and short ones, 2 slots", ([6, 1, 2, 1, 3], 2), compare=grid),
-        Case("two slots free up in the same iteration", ([2, 3, 2, 1, 4, 1], 3), compare=grid),
-    ], tripwires=NO_SIM, description="iteration-level (continuous) batching's slot grid by hand"),
+        Case("all seven lecture requests in 4 slots", ([7, 3, 4, 2, 5, 4, 3], 4)),
+        Case("a long request and short ones, 2 slots", ([6, 1, 2, 1, 3], 2)),
+        Case("two slots free up in the same iteration", ([2, 3, 2, 1, 4, 1], 3)),
+    ], compare=grid, tripwires=NO_SIM, description="iteration-level (continuous) batching's slot grid by hand"),
     Exercise("retire_and_admit", "01", 40, "llmso_lab.sim.step_logic:retire_and_admit", [
         Case("one finishes by max_tokens, one by EOS; two waiting fit",
-             ([seq(0, 7, 7, 2), seq(1, 2, 9, 1, eos=True), seq(2, 3, 9, 1)], [req(3, 20), req(4, 16)], 1, 16, 4, 256),
-             compare=_same),
+             ([seq(0, 7, 7, 2), seq(1, 2, 9, 1, eos=True), seq(2, 3, 9, 1)], [req(3, 20), req(4, 16)], 1, 16, 4, 256)),
         Case("the free blocks stop admission",
-             ([seq(0, 1, 5, 1)], [req(1, 40), req(2, 33), req(3, 8)], 4, 16, 8, 512), compare=_same),
+             ([seq(0, 1, 5, 1)], [req(1, 40), req(2, 33), req(3, 8)], 4, 16, 8, 512)),
         Case("the token budget stops admission (decodes are counted first)",
-             ([seq("a", 1, 5, 1), seq("b", 4, 5, 1)], [req("c", 60), req("d", 70)], 50, 16, 8, 128), compare=_same),
-    ], description="steps 1-3 of the scheduler loop: retire, count free blocks, admit FCFS"),
+             ([seq("a", 1, 5, 1), seq("b", 4, 5, 1)], [req("c", 60), req("d", 70)], 50, 16, 8, 128)),
+        Case("decodes take the budget first: one decode leaves 15 of 16 tokens, so a 16-token prompt waits",
+             ([seq("a", 1, 5, 1)], [req("b", 16)], 4, 16, 4, 16)),
+    ], compare=_same, description="steps 1-3 of the scheduler loop: retire, count free blocks, admit FCFS"),
 )

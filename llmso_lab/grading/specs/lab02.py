@@ -13,6 +13,9 @@ from llmso_lab.grading.registry import Case, Exercise, register
 from llmso_lab.policies import pick_victim, policy_key
 
 same = exact()
+# The policy code the engine and the simulator sort with: disabled while a policy exercise is graded.
+POLICY_CODE = ("llmso_lab.policies:policy_key", "llmso_lab.policies:pick_victim", "llmso_lab.policies:serve_order",
+               "llmso_lab.engine.policy:SchedulingPolicy")
 
 
 def _as_seqs(rows: list[dict]) -> list[SimpleNamespace]:
@@ -43,24 +46,23 @@ _sjf_queue = [req(0, 0.0, predicted_len=500), req(1, 4.0, predicted_len=50), req
 register(
     Exercise("plan_token_budget", "02", 45, "llmso_lab.sim.budget:plan_token_budget", [
         Case("3 decodes, then prompts chunked into the leftover 29 tokens",
-             (["d1", "d2", "d3"], [("a", 10), ("b", 100), ("c", 5)], 32), compare=same),
+             (["d1", "d2", "d3"], [("a", 10), ("b", 100), ("c", 5)], 32)),
         Case("chunked prefill off: 'b' does not fit whole, and 'c' may not jump the queue",
-             (["d1"], [("a", 10), ("b", 100), ("c", 5)], 32), {"enable_chunked_prefill": False}, compare=same),
-        Case("max_num_seqs=3 caps the batch", ([0, 1], [("p", 3), ("q", 3)], 100), {"max_num_seqs": 3}, compare=same),
-        Case("no decodes: a 2048-token budget over a long prompt", ([], [("long", 5000), ("short", 8)], 2048),
-             compare=same),
-    ], tripwires=("llmso_lab.sim.budget:prefill_chunk",),
+             (["d1"], [("a", 10), ("b", 100), ("c", 5)], 32), {"enable_chunked_prefill": False}),
+        Case("max_num_seqs=3 caps the batch", ([0, 1], [("p", 3), ("q", 3)], 100), {"max_num_seqs": 3}),
+        Case("no decodes: a 2048-token budget over a long prompt", ([], [("long", 5000), ("short", 8)], 2048)),
+    ], compare=same, tripwires=("llmso_lab.sim.budget:prefill_chunk",),
         description="one step's decode-first token budget: decodes take 1 token each, prefills chunk the rest"),
     Exercise("choose_victim", "02", 25, "llmso_lab.policies:pick_victim", [
-        Case("fcfs preempts the latest arrival", (_running, "fcfs"), compare=same),
-        Case("priority preempts the largest (priority, arrival)", (_running, "priority"), compare=same),
-        Case("sjf preempts the longest predicted job", (_running, "sjf"), compare=same),
-    ], oracle="llmso_lab.grading.specs.lab02:victim_oracle", tripwires=("llmso_lab.policies:policy_key",),
+        Case("fcfs preempts the latest arrival", (_running, "fcfs")),
+        Case("priority preempts the largest (priority, arrival)", (_running, "priority")),
+        Case("sjf preempts the longest predicted job", (_running, "sjf")),
+    ], compare=same, oracle="llmso_lab.grading.specs.lab02:victim_oracle", tripwires=POLICY_CODE,
         description="which running request to preempt when KV blocks run out, by policy"),
     Exercise("sjf_order", "02", 30, "llmso_lab.policies:policy_key", [
-        Case("no aging: shortest predicted output first, ties by arrival", (_sjf_queue,), {"now": 8.0}, compare=same),
-        Case("aging 40 tokens/s at t=8: the 500-token job has waited 8 s and moves up", (_sjf_queue,),
-             {"now": 8.0, "aging": 40.0}, compare=same),
-    ], oracle="llmso_lab.grading.specs.lab02:sjf_oracle", tripwires=("llmso_lab.policies:pick_victim",),
+        Case("no aging: shortest predicted output first, ties by arrival", (_sjf_queue,), {"now": 8.0}),
+        Case("aging 80 tokens/s at t=8: the 500-token job has waited 8 s (640 tokens of credit) and moves up",
+             (_sjf_queue,), {"now": 8.0, "aging": 80.0}),
+    ], compare=same, oracle="llmso_lab.grading.specs.lab02:sjf_oracle", tripwires=POLICY_CODE,
         description="the order in which shortest-job-first with aging serves a waiting queue"),
 )

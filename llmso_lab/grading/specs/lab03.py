@@ -13,6 +13,9 @@ NEG_INF = float("-inf")
 fp32 = close(atol=1e-5, rtol=1e-5)  # torch exercises in fp32: only rounding differences are allowed
 kernel = close(atol=1e-4, rtol=1e-4)  # Triton kernels: a different summation order (tiles, tl.dot)
 same = close(atol=0.0, rtol=0.0, check_dtype=True)  # index arithmetic: bit-exact, dtype included
+TORCH_MATH = ("torch:matmul", "torch:mm", "torch:bmm", "torch:einsum", "torch:softmax", "torch:exp",
+              "torch.nn.functional:softmax", "torch:Tensor.__matmul__", "torch:Tensor.matmul", "torch:Tensor.softmax",
+              "torch:Tensor.exp")
 
 
 def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -64,45 +67,50 @@ _o1, _lse1, _o2, _lse2 = split_attention(nq=3, nk=20, cut=12, heads=2, d=8, seed
 register(
     Exercise("online_softmax_update", "03", 20, "llmso_lab.attention.reference:online_softmax_update", [
         Case("first tile from the empty state (m=-inf, l=0, acc=0)",
-             (_empty_m, _empty_l, _empty_acc, randn(2, 3, 5, seed=1), randn(2, 5, 4, seed=2)), compare=fp32),
+             (_empty_m, _empty_l, _empty_acc, randn(2, 3, 5, seed=1), randn(2, 5, 4, seed=2))),
         Case("a later tile that raises the running max (old state must shrink by exp(m_old - m_new))",
-             (_m, _l, _acc, randn(2, 3, 6, seed=11, scale=3.0), randn(2, 6, 4, seed=12)), compare=fp32),
+             (_m, _l, _acc, randn(2, 3, 6, seed=11, scale=3.0), randn(2, 6, 4, seed=12))),
         Case("a tile with masked (-inf) scores",
              (_m, _l, _acc, with_masked(randn(2, 3, 5, seed=13), randn(2, 3, 5, seed=14) > 0.5),
-              randn(2, 5, 4, seed=15)), compare=fp32),
-    ], description="fold one tile of scores into the running (m, l, acc)"),
+              randn(2, 5, 4, seed=15))),
+    ], compare=fp32, tripwires=("llmso_lab.attention.reference:flash_attention_torch",),
+        description="fold one tile of scores into the running (m, l, acc)"),
     Exercise("merge_attention_states", "03", 20, "llmso_lab.attention.reference:merge_attention_states", [
-        Case("two halves of the keys of one attention", (_o1, _lse1, _o2, _lse2), compare=fp32),
+        Case("two halves of the keys of one attention", (_o1, _lse1, _o2, _lse2)),
         Case("an empty split (lse=-inf, o=0) has weight 0",
-             (_o1, _lse1, torch.zeros_like(_o2), torch.full_like(_lse2, NEG_INF)), compare=fp32),
+             (_o1, _lse1, torch.zeros_like(_o2), torch.full_like(_lse2, NEG_INF))),
         Case("decode shapes: o [B, H, D], lse [B, H]",
-             (randn(3, 4, 16, seed=30), randn(3, 4, seed=31), randn(3, 4, 16, seed=32), randn(3, 4, seed=33)),
-             compare=fp32),
-    ], description="combine attention over two disjoint key sets by their lse (FlashDecoding's reduction)"),
+             (randn(3, 4, 16, seed=30), randn(3, 4, seed=31), randn(3, 4, 16, seed=32), randn(3, 4, seed=33))),
+    ], compare=fp32, tripwires=("llmso_lab.attention.reference:flash_decoding_torch",),
+        description="combine attention over two disjoint key sets by their lse (FlashDecoding's reduction)"),
     Exercise("gather_paged_kv", "03", 15, "llmso_lab.attention.varlen:gather_paged_kv", [
         Case("10 tokens in blocks of 4 (last block partly used), shuffled block table",
-             (paged_cache(6, 4, 2, 3, seed=40), shuffled_table(6, seed=41), 10), compare=same),
+             (paged_cache(6, 4, 2, 3, seed=40), shuffled_table(6, seed=41), 10)),
         Case("exactly 2 full blocks of 16 (the engine's block size)",
-             (paged_cache(5, 16, 3, 4, seed=42), torch.tensor([3, 0, 4, 1], dtype=torch.int32), 32), compare=same),
-    ], description="read one sequence's K or V out of the paged cache through its block table"),
+             (paged_cache(5, 16, 3, 4, seed=42), torch.tensor([3, 0, 4, 1], dtype=torch.int32), 32)),
+    ], compare=same, tripwires=("llmso_lab.attention.varlen:paged_attention_torch",),
+        description="read one sequence's K or V out of the paged cache through its block table"),
     Exercise("build_cu_seqlens", "03", 10, "llmso_lab.attention.varlen:build_cu_seqlens", [
-        Case("[3, 1, 4] -> [0, 3, 4, 8]", ([3, 1, 4],), compare=same),
-        Case("an int64 tensor with an empty sequence", (torch.tensor([5, 0, 2]),), compare=same),
-    ], description="cumulative sequence offsets, int32 [B+1], starting at 0"),
+        Case("[3, 1, 4] -> [0, 3, 4, 8]", ([3, 1, 4],)),
+        Case("an int64 tensor with an empty sequence", (torch.tensor([5, 0, 2]),)),
+    ], compare=same, description="cumulative sequence offsets, int32 [B+1], starting at 0"),
     Exercise("flash_attention", "03", 35, "llmso_lab.attention:flash_attention", [
         Case("B=1, H=2, N=96 (two key tiles), D=16, not causal", qkv(1, 2, 2, 96, 96, 16, seed=50),
-             {"causal": False}, compare=kernel),
+             {"causal": False}),
         Case("causal, N=130 (three key tiles, the last one partial), D=32", qkv(1, 2, 2, 130, 130, 32, seed=51),
-             {"causal": True}, compare=kernel),
+             {"causal": True}),
         Case("GQA (4 query heads, 2 KV heads): 24 queries after 56 cached keys, causal = bottom-right aligned",
-             qkv(2, 4, 2, 24, 80, 16, seed=52), {"causal": True}, compare=kernel),
-    ], timeout_s=90, env={"TRITON_INTERPRET": "1"},
-        # Expected values come from the torch oracle, so grading needs no kernel (and no GPU) itself; the
-        # student's kernel runs under the interpreter in the sandbox. Other attention implementations that
-        # would do the work are disabled there too.
+             qkv(2, 4, 2, 24, 80, 16, seed=52), {"causal": True}),
+    ], compare=kernel, timeout_s=90, env={"TRITON_INTERPRET": "1"},
+        # Graded is the student's kernel, launched by the library's launcher (a fixed grid and arguments), so a
+        # cell that computes attention in torch and never runs the kernel earns nothing. Expected values come
+        # from the torch oracle, so grading needs no kernel (and no GPU) itself. Other implementations that would
+        # do the work, and torch's matmul/softmax/exp (the kernel body runs as Python under the interpreter),
+        # are disabled meanwhile.
+        triton_kernel="_attn_fwd_tile_kernel", launcher="llmso_lab.attention.tile_launcher:launch_attn_fwd_tile",
         oracle="llmso_lab.attention.reference:flash_attention_torch",
         tripwires=("llmso_lab.attention.reference:flash_attention_torch", "llmso_lab.attention.reference:naive_attention",
-                   "llmso_lab.attention.varlen:varlen_attention_torch",
-                   "torch.nn.functional:scaled_dot_product_attention"),
+                   "llmso_lab.attention.varlen:varlen_attention_torch", "llmso_lab.attention.fallback:flash_attention",
+                   "torch.nn.functional:scaled_dot_product_attention", *TORCH_MATH),
         description="the inner loop of the FlashAttention forward kernel in Triton (graded under the interpreter)"),
 )

@@ -1,0 +1,65 @@
+"""Every exercise: a wrong-but-plausible answer loses its points, a correct-but-different one keeps them, and
+`check()` (in the notebook's process) gives the same verdict as the sandboxed grader on every case."""
+import pytest
+
+from llmso_lab.grading import exercises, labs
+from llmso_lab.grading.check import outcome_in_process
+from llmso_lab.grading.child import PRELUDE
+from llmso_lab.grading.grader import expected_values, grade_notebook
+from llmso_lab.grading.protocol import verdict
+from lab_variants import VARIANTS, cell_source, notebook_with
+
+
+def test_every_exercise_has_wrong_and_right_variants():
+    keys = {ex.key for lab in labs() for ex in exercises(lab)}
+    assert keys == set(VARIANTS), f"missing: {sorted(keys - set(VARIANTS))}, unknown: {sorted(set(VARIANTS) - keys)}"
+    for key, v in VARIANTS.items():
+        assert v["wrong"] and v["right"], key
+
+
+def _in_process_verdicts(ex, source):
+    """What check() would say on every case (hidden ones too), with the cell run in a fresh namespace."""
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(PRELUDE, "<prelude>", "exec"), ns)
+    path = f"/tmp/llmso-variant-{ex.name}.py"
+    with open(path, "w") as f:
+        f.write(source)
+    import linecache
+    linecache.cache[path] = (len(source), None, source.splitlines(True), path)
+    exec(compile(source, path, "exec"), ns)
+    expected = expected_values(ex)
+    return [verdict(ex, c, outcome_in_process(ex, ns[ex.graded_name], i), expected[i]) for i, c in enumerate(ex.cases)]
+
+
+def _variants(lab, kind, index):
+    out = {}
+    for ex in exercises(lab):
+        sources = VARIANTS[ex.key][kind]
+        out[ex.key] = cell_source(ex.key, sources[min(index, len(sources) - 1)])
+    return out
+
+
+def _runs():
+    """(lab, kind, i): one grading run per lab and variant index (exercises with fewer variants repeat their last)."""
+    for lab in labs():
+        for kind in ("wrong", "right"):
+            for i in range(max(len(VARIANTS[ex.key][kind]) for ex in exercises(lab))):
+                yield pytest.param(lab, kind, i, id=f"lab{lab}-{kind}{i}")
+
+
+@pytest.mark.parametrize("lab,kind,index", list(_runs()))
+def test_variants_are_graded_as_they_deserve_and_check_agrees(lab, kind, index, tmp_path):
+    sources = _variants(lab, kind, index)
+    details = []
+    res = grade_notebook(notebook_with(lab, sources, tmp_path / f"{lab}_{kind}.ipynb"), details=details)
+    for r in details:
+        ex = r.exercise
+        if kind == "right":
+            assert r.score == ex.points, f"{ex.key}: a correct answer lost points:\n" + "\n".join(r.lines)
+        else:
+            assert r.score < ex.points, f"{ex.key}: a wrong answer kept full marks:\n{sources[ex.key]}"
+        mine = _in_process_verdicts(ex, sources[ex.key])
+        assert [v is None for v in mine] == [v is None for v in r.verdicts], (ex.key, mine, r.verdicts)
+        public = [i for i, c in enumerate(ex.cases) if not c.hidden]
+        assert [mine[i] for i in public] == [r.verdicts[i] for i in public], ex.key   # same messages too
+    assert len(details) == len(exercises(lab)) and res["max_score"] == 100
