@@ -48,6 +48,15 @@ def _cmd_model(args) -> int:
 def _cmd_release(args) -> int:
     from llmso_lab.grading.release import build_bundle, check_labs, write_labs
 
+    if args.gradescope:
+        from llmso_lab.grading.gradescope import build_package
+
+        if not args.lab:
+            raise ValueError("release --gradescope needs --lab NN (one autograder per assignment)")
+        path = build_package(args.lab, Path(args.out or "dist"), hidden_visibility=args.hidden_visibility)
+        print(f"Gradescope autograder: {path} ({path.stat().st_size / 1e6:.1f} MB). Upload it as the assignment's "
+              f"autograder (Ubuntu base image); students submit their {args.lab}_*.ipynb.")
+        return 0
     if args.check:
         problems = check_labs()
         for p in problems:
@@ -68,8 +77,22 @@ def _cmd_release(args) -> int:
 def _cmd_grade(args) -> int:
     from llmso_lab.grading.grader import format_table, grade_notebook
 
+    batch = args.csv or args.json_dir or len(args.submission) > 1 or Path(args.submission[0]).is_dir() \
+        or not Path(args.submission[0]).exists()
+    if batch:
+        from llmso_lab.grading.batch import grade_batch, summary
+
+        if not args.lab:
+            raise ValueError("grading several submissions needs --lab NN")
+        rows = grade_batch(args.submission, args.lab, workers=args.workers, csv_path=Path(args.csv) if args.csv else None,
+                           json_dir=Path(args.json_dir) if args.json_dir else None, force=args.force,
+                           timeout_s=args.timeout)
+        print(summary(rows, args.lab))
+        if args.csv:
+            print(f"gradebook: {args.csv}")
+        return 0
     try:
-        res = grade_notebook(args.submission, lab=args.lab, only=args.exercise, timeout_s=args.timeout)
+        res = grade_notebook(args.submission[0], lab=args.lab, only=args.exercise, timeout_s=args.timeout)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -145,13 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", help="write the student bundle here")
     r.add_argument("--check", action="store_true", help="fail if labs/ differs from what solutions/ generates")
     r.add_argument("--labs", action="store_true", help="only regenerate labs/ (the default without --out)")
+    r.add_argument("--gradescope", action="store_true", help="build the Gradescope autograder zip of --lab NN into --out")
+    r.add_argument("--lab", help="lab number (with --gradescope)")
+    r.add_argument("--hidden-visibility", default="after_published",
+                   help="Gradescope visibility of the hidden checks' results: hidden, after_due_date, after_published "
+                        "(default) or visible")
     r.set_defaults(fn=_cmd_release)
-    g = sub.add_parser("grade", help="grade a submitted notebook in a sandbox")
-    g.add_argument("submission")
-    g.add_argument("--lab", help="lab number (default: from the notebook)")
-    g.add_argument("--json", help="write Gradescope results.json here")
-    g.add_argument("--exercise", action="append", help="grade only this exercise (repeatable)")
+    g = sub.add_parser("grade", help="grade submitted notebooks in a sandbox (one: a table; several: a gradebook)")
+    g.add_argument("submission", nargs="+", help="notebooks, folders of notebooks or glob patterns")
+    g.add_argument("--lab", help="lab number (default for one file: its NN_ prefix; required for several)")
+    g.add_argument("--json", help="write Gradescope results.json here (one submission)")
+    g.add_argument("--exercise", action="append", help="grade only this exercise (repeatable; one submission)")
     g.add_argument("--timeout", type=float, help="override the per-exercise time limit (seconds)")
+    g.add_argument("--workers", type=int, help="submissions graded at once (default: the number of cores)")
+    g.add_argument("--csv", help="the gradebook: one row per submission (kept and reused on the next run)")
+    g.add_argument("--json-dir", help="write each submission's results.json into this folder")
+    g.add_argument("--force", action="store_true", help="grade again submissions the gradebook already has")
     g.set_defaults(fn=_cmd_grade)
     args = p.parse_args(argv)
     try:

@@ -8,8 +8,10 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -27,6 +29,26 @@ from lab_variants import ROOT, notebook_with
 FIXTURES = Path(__file__).parent / "grading_fixtures"
 isolated = pytest.mark.skipif(not sandbox.isolation().isolated,
                               reason=f"needs the isolated sandbox ({sandbox.isolation().reason})")
+
+
+@pytest.fixture(params=["isolated", "uid"])
+def level(request, monkeypatch):
+    """Run a test under each sandbox level that contains processes (root only): namespaces, or a plain uid."""
+    if not sandbox.isolation().isolated:
+        pytest.skip(f"needs root and namespaces ({sandbox.isolation().reason})")
+    if request.param == "uid":
+        # The uid level runs the student's Python as another user: it needs an interpreter any user can run
+        # (this machine's own Python lives under /root): a venv of the system Python that sees our packages.
+        venv = Path(tempfile.mkdtemp(prefix="llmso-uidpy-"))   # pytest's own tmp dirs are root-only
+        request.addfinalizer(lambda: shutil.rmtree(venv, ignore_errors=True))
+        venv.chmod(0o755)
+        subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+        site = next(venv.glob("lib/python3*/site-packages"))
+        (site / "grader-packages.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
+        monkeypatch.setenv("LLMSO_LAB_SANDBOX", "uid")
+        monkeypatch.setenv("LLMSO_LAB_GRADE_PYTHON", str(venv / "bin" / "python"))
+        monkeypatch.setattr(sandbox, "_ISOLATION", None)
+    return request.param
 
 
 def graded(tmp_path, lab, cells, only=None, **kw):
@@ -114,10 +136,9 @@ def test_the_lab_comes_from_the_instructor_not_the_notebook(tmp_path):
 
 
 # ---- 3. escaping, forking, killing -----------------------------------------------------------------
-@isolated
-def test_detached_processes_do_not_outlive_the_exercise(tmp_path):
+def test_detached_processes_do_not_outlive_the_exercise(tmp_path, level):
     marker = f"llmso-escapee-{tmp_path.name}"
-    tests, _ = graded(tmp_path, "00", {"lab00/roofline_time": f"""\
+    tests, res = graded(tmp_path, "00", {"lab00/roofline_time": f"""\
         import os, subprocess, sys, time
         def roofline_time(flops, bytes_moved, peak_flops, bandwidth):
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", {marker!r}],
@@ -129,14 +150,14 @@ def test_detached_processes_do_not_outlive_the_exercise(tmp_path):
                 os._exit(0)
             return max(flops / peak_flops, bytes_moved / bandwidth)
         """}, only=["roofline_time"])
-    assert tests["roofline_time"]["score"] == 20
+    assert tests["roofline_time"]["score"] == 20, tests["roofline_time"]["output"]
+    assert level in res["extra_data"]["sandbox"]
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.strip()
     assert left == "", f"processes left behind: {left}"
     assert sandbox_processes() == []
 
 
-@isolated
-def test_fork_bomb_is_bounded_and_cleaned_up(tmp_path):
+def test_fork_bomb_is_bounded_and_cleaned_up(tmp_path, level):
     tests, _ = graded(tmp_path, "00", {"lab00/roofline_time": """\
         import os, time
         def roofline_time(flops, bytes_moved, peak_flops, bandwidth):
@@ -158,8 +179,7 @@ def test_fork_bomb_is_bounded_and_cleaned_up(tmp_path):
     assert sandbox_processes() == []
 
 
-@isolated
-def test_submission_cannot_kill_the_grader(tmp_path):
+def test_submission_cannot_kill_the_grader(tmp_path, level):
     path = notebook_with("00", {"lab00/roofline_time": textwrap.dedent("""\
         import os, signal
         def roofline_time(flops, bytes_moved, peak_flops, bandwidth):

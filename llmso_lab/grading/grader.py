@@ -47,9 +47,29 @@ class ExerciseResult:
     note: str | None = None   # for the instructor only (a near-copy of the reference)
     verdicts: list[str | None] | None = None   # per case: None (passed) or why not
 
-    def as_test(self) -> dict[str, Any]:
-        return {"name": self.exercise.key, "score": self.score, "max_score": float(self.exercise.points),
-                "output": "\n".join(self.lines), "visibility": "visible"}
+    def as_tests(self, hidden_visibility: str | None = None) -> list[dict[str, Any]]:
+        """Gradescope tests: one per exercise, or (hidden_visibility set) its public and its hidden checks as two
+        tests, the hidden one shown to students as Gradescope's `hidden_visibility` says (e.g. after_published)."""
+        ex = self.exercise
+        if hidden_visibility is None:
+            return [{"name": ex.key, "score": self.score, "max_score": float(ex.points), "output": "\n".join(self.lines),
+                     "visibility": "visible"}]
+        tests = []
+        for hidden, name, vis in ((False, f"{ex.key} (public checks)", "visible"),
+                                  (True, f"{ex.key} (hidden checks)", hidden_visibility)):
+            idx = [i for i, c in enumerate(ex.cases) if c.hidden == hidden]
+            if not idx:
+                continue
+            verdicts = self.verdicts or [self.lines[-1]] * len(ex.cases)   # no verdicts: the cell was not found
+            ok = sum(1 for i in idx if verdicts[i] is None)
+            lines = [ln for ln in self.lines if not ln.startswith(("ok   ", "FAIL "))]   # notes about the whole cell
+            for i in idx:
+                label = f"hidden check {i + 1}" if hidden else f"check {i + 1} ({ex.cases[i].label})"
+                lines.append(f"ok   {label}" if verdicts[i] is None else f"FAIL {label}: {verdicts[i]}")
+            tests.append({"name": name, "score": round(ex.points * ok / len(ex.cases), 2),
+                          "max_score": round(ex.points * len(idx) / len(ex.cases), 2), "output": "\n".join(lines),
+                          "visibility": vis})
+        return tests
 
 
 def expected_values(ex: Exercise) -> list[Any]:
@@ -69,12 +89,27 @@ class Runtime:
         shutil.copytree(PACKAGE_DIR, self.lib, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "hidden"))
         (self.lib / "grading" / "hidden").mkdir()
         (self.lib / "grading" / "hidden" / "__init__.py").write_text('"""Hidden checks are not shipped."""\n')
+        for path in [self.lib, *self.lib.rglob("*")]:   # readable by the student's uid, whatever the original's mode
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
         self.binds: list[tuple[str, str, bool]] = []
         if self.isolation.isolated:
             self.binds = self._system_binds()
             if self.binds is None:
-                self.isolation = sandbox.Isolation("reduced", "the Python installation contains the instructor's checkout")
+                self.isolation = sandbox.Isolation("uid", "the Python installation contains the instructor's checkout")
                 self.binds = []
+        # The student's interpreter: the grader's own, or (uid and reduced levels) one other users can run.
+        self.python = sys.executable if self.isolation.isolated else os.environ.get("LLMSO_LAB_GRADE_PYTHON", sys.executable)
+        if self.isolation.level == "uid" and not sandbox.runnable_by_others(self.python):
+            self.close()
+            raise ValueError(f"the sandbox uid cannot run {self.python} ({os.path.realpath(self.python)}: a directory on "
+                             "the way is not searchable by other users); install Python where any user can run it, "
+                             "or set LLMSO_LAB_GRADE_PYTHON to such an interpreter with this package's dependencies")
+        # What a uid-level sandbox cannot hide: the unstubbed library (with hidden checks) and the solutions.
+        self.exposed = sandbox.exposed_paths([str(PACKAGE_DIR / "grading" / "hidden"), str(PACKAGE_DIR),
+                                              str(PACKAGE_DIR.parent / "solutions")]) if self.isolation.level == "uid" else []
+
+    def describe(self) -> str:
+        return self.isolation.describe(self.exposed)
 
     @staticmethod
     def _system_binds() -> list[tuple[str, str, bool]] | None:
@@ -116,8 +151,8 @@ def _remove_tree(path: Path) -> None:
 
 
 def _child_env(ex: Exercise, rt: Runtime, job_root: Path, fds: tuple[int, int]) -> dict[str, str]:
-    isolated = rt.isolation.isolated
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+    isolated = rt.isolation.isolated   # isolated: paths inside the sandbox's root; otherwise host paths
+    env = {"PATH": f"{Path(rt.python).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
            "HOME": "/job" if isolated else str(job_root / "work"), "TMPDIR": "/tmp" if isolated else str(job_root / "work"),
            "PYTHONPATH": str(PACKAGE_DIR.parent) if isolated else str(job_root / "lib"),
            "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -137,11 +172,13 @@ def _run_job(ex: Exercise, source: str, timeout_s: float, rt: Runtime) -> tuple[
         runtime_tripwires = stub_package(pkg, ex.disabled, ex.key)
         work = job_root / "work"
         work.mkdir()
+        if rt.isolation.level == "uid":   # the student's uid reads the library copy by its host path
+            os.chmod(job_root, 0o711)
         rlimits = {"AS": ex.memory_mb * 2**20, "CPU": int(2 * timeout_s + 10), "FSIZE": 64 * 2**20, "CORE": 0,
                    "NOFILE": 1024}
         job = {"exercise": ex.key, "graded_name": ex.graded_name, "launcher": ex.launcher, "kind": ex.kind,
                "source": source, "runtime_tripwires": runtime_tripwires,
-               "rlimits": None if rt.isolation.isolated else rlimits}
+               "rlimits": None if rt.isolation.supervised else rlimits}
         (work / "job.json").write_text(json.dumps(job))
         case_r, case_w = os.pipe()
         result_r, result_w = os.pipe()
@@ -149,13 +186,14 @@ def _run_job(ex: Exercise, source: str, timeout_s: float, rt: Runtime) -> tuple[
         fds += [case_r, case_w, result_r, result_w, log_fd]
         os.set_blocking(case_w, False)
         env = _child_env(ex, rt, job_root, (case_r, result_w))
-        argv = [sys.executable, "-s", "-B", "-m", "llmso_lab.grading.child"]
-        with sandbox.Slot() if rt.isolation.isolated else _nothing() as slot:
-            if rt.isolation.isolated:
-                proc = sandbox.run_isolated(argv, env, work_dir=str(work), root_dir=str(job_root / "root"),
-                                            binds=[*rt.binds, (str(pkg), str(PACKAGE_DIR), False)], uid=slot.uid,
-                                            rlimits=rlimits, memory_bytes=ex.memory_mb * 2**20,
-                                            pass_fds=(case_r, result_w), log_fd=log_fd, timeout_s=timeout_s + 15)
+        argv = [rt.python, "-s", "-B", "-m", "llmso_lab.grading.child"]
+        with sandbox.Slot() if rt.isolation.supervised else _nothing() as slot:
+            if rt.isolation.supervised:
+                proc = sandbox.run_supervised(rt.isolation.level, argv, env, work_dir=str(work),
+                                              root_dir=str(job_root / "root"),
+                                              binds=[*rt.binds, (str(pkg), str(PACKAGE_DIR), False)], uid=slot.uid,
+                                              rlimits=rlimits, memory_bytes=ex.memory_mb * 2**20,
+                                              pass_fds=(case_r, result_w), log_fd=log_fd, timeout_s=timeout_s + 15)
             else:
                 proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
                                         stderr=log_fd, pass_fds=(case_r, result_w), start_new_session=True)
@@ -210,8 +248,8 @@ def _finish(proc: subprocess.Popen, rt: Runtime, how: str) -> str:
     try:
         proc.wait(timeout=0 if how else 10)
     except subprocess.TimeoutExpired:
-        if rt.isolation.isolated:
-            proc.send_signal(signal.SIGTERM)   # the supervisor kills the namespace's init, then waits for all
+        if rt.isolation.supervised:
+            proc.send_signal(signal.SIGTERM)   # the supervisor kills the job's processes, then waits for all
         else:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -219,7 +257,7 @@ def _finish(proc: subprocess.Popen, rt: Runtime, how: str) -> str:
                 pass
     out, _ = proc.communicate()
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode   # killed by N: 128 + N
-    if rt.isolation.isolated:
+    if rt.isolation.supervised:
         try:
             code = json.loads(out.decode().strip().splitlines()[-1])["status"]
         except (ValueError, IndexError, KeyError, AttributeError):
@@ -301,7 +339,8 @@ def _metadata_lab(nb) -> str | None:
 
 def grade_notebook(path: str | Path, lab: str | None = None, only: list[str] | None = None,
                    timeout_s: float | None = None, exercise_list: list[Exercise] | None = None,
-                   workers: int | None = None, details: list | None = None) -> dict[str, Any]:
+                   workers: int | None = None, details: list | None = None,
+                   hidden_visibility: str | None = None) -> dict[str, Any]:
     """Grade every exercise of `lab` (default: the NN_ prefix of the file name; the notebook's own metadata is
     only compared, never trusted) or of `exercise_list`; return a Gradescope results dict."""
     t0 = time.perf_counter()
@@ -325,17 +364,15 @@ def grade_notebook(path: str | Path, lab: str | None = None, only: list[str] | N
             raise ValueError(f"lab {lab} has no exercise {', '.join(unknown)}; it has {', '.join(e.name for e in exs)}")
         exs = [e for e in exs if e.name in only]
     workers = workers or max(1, min(2, os.cpu_count() or 1))
-    # Find the cells here, in one thread: CPython 3.11's ast.parse is not thread-safe ("AST constructor
-    # recursion depth mismatch"). The threads below only wait on child processes.
     sources = {e.name: exercise_cell_source(nb, e.graded_name) for e in exs}
     expected = {e.name: expected_values(e) if sources[e.name] is not None else None for e in exs}
     with Runtime() as rt, ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(lambda e: grade_exercise(e, sources[e.name], timeout_s, expected[e.name], rt), exs))
-        sandbox_line = rt.isolation.describe()
+        sandbox_line = rt.describe()
     if details is not None:   # the ExerciseResults themselves (tests compare per-case verdicts)
         details.extend(results)
     review = [r.note for r in results if r.note]
-    tests = [r.as_test() for r in results]
+    tests = [t for r in results for t in r.as_tests(hidden_visibility)]
     tests += [{"name": f"{r.exercise.key} (for the instructor)", "score": 0.0, "max_score": 0.0, "output": r.note,
                "visibility": "hidden"} for r in results if r.note]
     return {

@@ -12,6 +12,7 @@ import difflib
 import inspect
 import textwrap
 
+from llmso_lab.grading.notebook import parse
 from llmso_lab.grading.registry import Exercise, resolve
 
 MIN_NODES = 40        # references smaller than this are formulas anyone would write alike
@@ -60,7 +61,7 @@ def _tokens(node: ast.AST) -> list[str]:
 
 def _definition(source: str, name: str) -> ast.AST | None:
     try:
-        tree = ast.parse(source)
+        tree = parse(source)
     except SyntaxError:
         return None
     return next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))

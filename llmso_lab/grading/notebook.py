@@ -10,16 +10,27 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 from pathlib import Path
 
 import nbformat
 
 __all__ = ["read_notebook", "exercise_cell_source", "make_student_notebook", "solution_blocks",
-           "INSTRUCTOR_TAG"]
+           "INSTRUCTOR_TAG", "parse"]
 
 INSTRUCTOR_TAG = "instructor-only"
 _BEGIN, _END = "### BEGIN SOLUTION", "### END SOLUTION"
 _HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS.*?^[ \t]*### END HIDDEN TESTS[^\n]*\n?", re.S | re.M)
+
+
+_AST_LOCK = threading.Lock()
+
+
+def parse(source: str) -> ast.Module:
+    """ast.parse, one thread at a time: CPython 3.11's parser is not thread-safe ("AST constructor recursion
+    depth mismatch"), and the grader parses from worker threads."""
+    with _AST_LOCK:
+        return ast.parse(source)
 
 
 def read_notebook(path: str | Path) -> nbformat.NotebookNode:
@@ -34,7 +45,7 @@ def read_notebook(path: str | Path) -> nbformat.NotebookNode:
 
 def _defined_names(source: str) -> set[str]:
     try:
-        tree = ast.parse(source)
+        tree = parse(source)
     except SyntaxError:
         # A cell with a syntax error still "defines" what it textually declares, so the grader can
         # report the syntax error for that exercise instead of "cell not found".

@@ -14,12 +14,17 @@ Two levels, chosen by `isolation()`:
   starts lives in the PID namespace, so `setsid`, double forks and daemons cannot outlive it: when the init
   exits (or the supervisor kills it on timeout) the kernel kills the rest, and the supervisor returns only
   after all of them are gone. The student cannot signal the grader (another uid, another PID namespace).
-* **reduced** (not root, not Linux, or namespaces unavailable): a child process in its own session with
-  rlimits only. It can read whatever the grader's user can read and a process that calls `setsid` may outlive
-  the exercise. Fine for a student's own checks, not for grading untrusted work: run the grader as root
-  (e.g. in a container) for that. `describe()` says which level ran; the grader prints it.
+* **uid** (root, but no namespaces: a default Docker container, as Gradescope's): the same supervisor without
+  the namespaces. The student's process runs as a dedicated unprivileged uid with rlimits (and the cgroup where
+  writable); when it ends, every process of that uid is killed, so detached ones die too, and it cannot
+  signal the grader. It reads what file permissions let any user read: the packaged autograder makes the
+  library and hidden checks root-only (`describe()` warns when they are not).
+* **reduced** (not root, or not Linux): a child process in its own session with rlimits only. It can read
+  whatever the grader's user can read and a process that calls `setsid` may outlive the exercise. Fine for a
+  student's own checks, not for grading untrusted work: run the grader as root (e.g. in a container).
 
-`LLMSO_LAB_SANDBOX=reduced` forces the reduced level (tests use it to exercise both).
+`describe()` says which level ran; the grader prints it. `LLMSO_LAB_SANDBOX=uid` or `=reduced` forces a
+weaker level (tests use it to exercise all three).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import ctypes
 import fcntl
 import json
 import os
+import resource   # imported before the supervisor's root changes: it is an extension module
 import select
 import signal
 import socket
@@ -46,7 +52,7 @@ CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc")
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -55,16 +61,29 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 # ---- grader side -------------------------------------------------------------------------------
 class Isolation:
     def __init__(self, level: str, reason: str) -> None:
+        assert level in ("isolated", "uid", "reduced"), level
         self.level, self.reason = level, reason
 
     @property
     def isolated(self) -> bool:
         return self.level == "isolated"
 
-    def describe(self) -> str:
+    @property
+    def supervised(self) -> bool:
+        """Run by the supervisor as a dedicated uid (isolated and uid levels)."""
+        return self.level != "reduced"
+
+    def describe(self, exposed: list[str] = ()) -> str:
+        """One line for the instructor; `exposed`: instructor paths the student's uid could read (uid level)."""
+        cgroup = ", cgroup" if _cgroup_roots() else ""
         if self.isolated:
             return ("sandbox: isolated (PID/mount/network namespaces, read-only student bundle, unprivileged uid, "
-                    f"rlimits{', cgroup' if _cgroup_roots() else ''})")
+                    f"rlimits{cgroup})")
+        if self.level == "uid":
+            warn = (f" WARNING: readable by any user, so by the submission: {', '.join(exposed)} (chmod -R go-rwx)"
+                    if exposed else "")
+            return (f"sandbox: uid ({self.reason}): an unprivileged uid with rlimits{cgroup}; all its processes are "
+                    f"killed when an exercise ends; no read-only file system view.{warn}")
         return (f"sandbox: REDUCED ({self.reason}): rlimits only; the submission can read what this user can read "
                 "and a process it detaches may outlive it. Grade untrusted work as root or in a container.")
 
@@ -82,22 +101,47 @@ def isolation() -> Isolation:
 
 def _probe() -> Isolation:
     forced = os.environ.get("LLMSO_LAB_SANDBOX", "")
+    if forced not in ("", "uid", "reduced"):
+        raise ValueError(f"LLMSO_LAB_SANDBOX={forced!r}: use 'uid' or 'reduced' (or leave it unset)")
     if forced == "reduced":
         return Isolation("reduced", "LLMSO_LAB_SANDBOX=reduced")
     if not sys.platform.startswith("linux"):
-        return Isolation("reduced", f"namespaces need Linux, this is {sys.platform}")
+        return Isolation("reduced", f"the sandbox needs Linux, this is {sys.platform}")
     if os.geteuid() != 0:
         return Isolation("reduced", "the grader is not running as root")
+    if forced == "uid":
+        return Isolation("uid", "LLMSO_LAB_SANDBOX=uid")
     if os.uname().machine not in SYS_PIVOT_ROOT:
-        return Isolation("reduced", f"no pivot_root syscall number for {os.uname().machine}")
+        return Isolation("uid", f"no pivot_root syscall number for {os.uname().machine}")
     try:
         proc = subprocess.run([sys.executable, "-I", "-S", __file__, "--probe"], capture_output=True, text=True,
                               timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
-        return Isolation("reduced", f"namespace probe failed ({exc})")
+        return Isolation("uid", f"namespace probe failed ({exc})")
     if proc.returncode != 0 or proc.stdout.strip() != "ok":
-        return Isolation("reduced", f"namespaces unavailable ({(proc.stderr.strip().splitlines() or ['?'])[-1]})")
+        return Isolation("uid", f"namespaces unavailable: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     return Isolation("isolated", "")
+
+
+def _others_may(path: str, bit: int) -> bool:
+    """Can a user who is neither the owner nor in the group reach `path` and read (4) / execute (1) it?"""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts)):   # every directory on the way must be searchable
+        if not os.stat(os.sep.join(parts[:i])).st_mode & 0o001:
+            return False
+    return bool(os.stat(path).st_mode & bit)
+
+
+def exposed_paths(paths: list[str]) -> list[str]:
+    """Those of `paths` that any user can reach and read (what the uid level cannot hide)."""
+    return [p for p in paths if os.path.exists(p) and _others_may(p, 0o004)]
+
+
+def runnable_by_others(executable: str) -> bool:
+    """Can the sandbox uid run this interpreter (every directory on the way to it, and to the file a symlink
+    points to, searchable)?"""
+    path = os.path.abspath(executable)
+    return _others_may(os.path.dirname(path), 0o001) and _others_may(os.path.realpath(path), 0o001)
 
 
 class Slot:
@@ -122,13 +166,15 @@ class Slot:
         os.close(self.fd)
 
 
-def run_isolated(argv: list[str], env: dict[str, str], *, work_dir: str, root_dir: str, binds: list[tuple[str, str, bool]],
-                 uid: int, rlimits: dict[str, int], memory_bytes: int, pass_fds: tuple[int, ...], log_fd: int,
-                 timeout_s: float) -> subprocess.Popen:
+def run_supervised(level: str, argv: list[str], env: dict[str, str], *, work_dir: str, root_dir: str,
+                   binds: list[tuple[str, str, bool]], uid: int, rlimits: dict[str, int], memory_bytes: int,
+                   pass_fds: tuple[int, ...], log_fd: int, timeout_s: float) -> subprocess.Popen:
     """Start the supervisor for one job (see the module docstring); it prints {"status", "timed_out"} when the
-    job's last process is gone. `work_dir` becomes /job (writable, the student's cwd); `binds` are
-    (host path, path inside, writable)."""
-    spec = {"argv": argv, "env": env, "cwd": "/job", "uid": uid, "gid": uid, "rlimits": rlimits, "root": root_dir,
+    job's last process is gone. Isolated: `work_dir` becomes /job (writable, the student's cwd) and `binds`
+    (host path, path inside, writable) make the file system. Uid: the student's cwd is `work_dir` itself."""
+    isolated = level == "isolated"
+    spec = {"level": level, "argv": argv, "env": env, "cwd": "/job" if isolated else work_dir, "uid": uid, "gid": uid,
+            "rlimits": rlimits, "root": root_dir,
             "binds": [[src, dst, rw] for src, dst, rw in binds] + [[work_dir, "/job", True]],
             "fds": list(pass_fds), "log_fd": log_fd, "timeout_s": timeout_s,
             "memory_bytes": memory_bytes, "cgroup_name": f"llmso-lab-{uid}-{os.getpid()}-{time.monotonic_ns()}"}
@@ -214,9 +260,6 @@ def _build_root(libc, spec: dict) -> None:
             os.symlink(os.readlink(host), os.path.join(root, name))
         elif os.path.isdir(host):
             _bind(libc, host, os.path.join(root, name), False)
-    for src, dst, rw in spec["binds"]:
-        if os.path.exists(src):
-            _bind(libc, src, root + dst, rw)
     dev = os.path.join(root, "dev")
     os.makedirs(dev, exist_ok=True)
     _mount(libc, "tmpfs", dev, "tmpfs", MS_NOSUID, "size=64k,mode=0755")
@@ -229,6 +272,9 @@ def _build_root(libc, spec: dict) -> None:
     for path, mode in ((os.path.join(dev, "shm"), "1777"), (os.path.join(root, "tmp"), "1777")):
         os.makedirs(path, exist_ok=True)
         _mount(libc, "tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={mem_mb}m,mode={mode}")
+    for src, dst, rw in spec["binds"]:   # after /tmp, so that a bind below /tmp stays visible
+        if os.path.exists(src):
+            _bind(libc, src, root + dst, rw)
     os.makedirs(os.path.join(root, "proc"), exist_ok=True)
     _mount(libc, "proc", os.path.join(root, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     old = os.path.join(root, ".old_root")
@@ -241,8 +287,6 @@ def _build_root(libc, spec: dict) -> None:
 
 
 def _exec_student(libc, spec: dict) -> None:
-    import resource
-
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(spec["log_fd"], 1)
@@ -321,17 +365,59 @@ def _cgroup_remove(paths: list[str]) -> None:
                 time.sleep(0.05)
 
 
+def _kill_uid(uid: int, seconds: float = 10.0) -> None:
+    """Kill every process of `uid` (uid level: the student's detached processes too). A forked killer takes the
+    uid, so kill(-1) reaches exactly that uid's processes; orphans are reaped by us, their subreaper."""
+    killer = os.fork()
+    if killer == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                try:
+                    os.kill(-1, signal.SIGKILL)   # every process of this uid except the killer itself
+                except ProcessLookupError:
+                    os._exit(0)
+                time.sleep(0.01)
+        except BaseException:   # noqa: BLE001
+            pass
+        os._exit(1)
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0)   # the killer, and orphans that were re-parented to us
+        except ChildProcessError:
+            return
+        if pid == killer:
+            while True:   # reap what is left without blocking
+                try:
+                    if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                        return
+                except ChildProcessError:
+                    return
+
+
 def _supervise(spec: dict) -> dict:
     libc = _libc()
     for fd in (*spec["fds"], spec["log_fd"]):
         os.set_inheritable(fd, True)
-    _check(libc.unshare(CLONE_NEWPID), "unshare")   # our next child is PID 1 of a new PID namespace
+    isolated = spec["level"] == "isolated"
+    if isolated:
+        _check(libc.unshare(CLONE_NEWPID), "unshare")   # our next child is PID 1 of a new PID namespace
+    else:
+        _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "subreaper")   # orphans come to us, not to init
     sync_r, sync_w = os.pipe()
     init = os.fork()
     if init == 0:
         os.close(sync_w)
         try:
-            _init(libc, spec, sync_r)
+            if isolated:
+                _init(libc, spec, sync_r)
+            else:
+                _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+                os.read(sync_r, 1)
+                _exec_student(libc, spec)
         except BaseException as exc:   # noqa: BLE001
             os.write(2, f"sandbox: {exc}\n".encode())
         os._exit(126)
@@ -353,7 +439,9 @@ def _supervise(spec: dict) -> dict:
     timed_out = not select.select([pidfd], [], [], spec["timeout_s"])[0]
     if timed_out:
         stop(None, None)
-    _, status = os.waitpid(init, 0)   # returns only once every process of the namespace is gone
+    _, status = os.waitpid(init, 0)   # isolated: returns only once every process of the namespace is gone
+    if not isolated:
+        _kill_uid(spec["uid"])
     _cgroup_remove(cgroups)
     return {"status": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "killed": killed["by_grader"],
             "cgroups": len(cgroups)}

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from llmso_lab.grading.notebook import parse
 from llmso_lab.grading.registry import resolve
 
 MARK = "TRIPWIRE"
@@ -158,7 +159,7 @@ def _locate_def(fn: Any) -> tuple[Path, str] | None:
     parts = fn.__qualname__.split(".")
     if "<locals>" in parts:
         return None
-    return (path.relative_to(PACKAGE_DIR), fn.__qualname__) if _find(ast.parse(path.read_text()), parts) else None
+    return (path.relative_to(PACKAGE_DIR), fn.__qualname__) if _find(parse(path.read_text()), parts) else None
 
 
 def _find(tree: ast.AST, parts: list[str]) -> ast.AST | None:
@@ -173,7 +174,7 @@ def _find(tree: ast.AST, parts: list[str]) -> ast.AST | None:
 
 def _stub_source(source: str, targets: list[tuple[str, str]]) -> str:
     """Replace the body of each (qualname, message) def with `raise RuntimeError(message)`."""
-    tree, lines = ast.parse(source), source.splitlines(keepends=True)
+    tree, lines = parse(source), source.splitlines(keepends=True)
     edits = []
     for qualname, text in targets:
         node = _find(tree, qualname.split("."))
