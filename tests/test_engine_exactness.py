@@ -223,12 +223,12 @@ SPLIT = [("llama", dict()), ("llama", dict(max_num_batched_tokens=3, enable_pref
 @pytest.mark.parametrize("name,kwargs", SPLIT, ids=[f"{n}-{i}" for i, (n, _) in enumerate(SPLIT)])
 def test_decode_length_groups_match_hf(name, kwargs, monkeypatch):
     """Free groups: the torch backend splits every decode batch by block count, and tokens stay HF's."""
-    from llmso_lab.engine.attention import TorchAttentionBackend
+    from llmso_lab.engine import attention
 
-    monkeypatch.setattr(TorchAttentionBackend, "GROUP_COST_BLOCKS", 0)
+    monkeypatch.setattr(attention.TorchAttentionBackend, "decode_group_cost", 0)
     calls = []
-    split = TorchAttentionBackend._decode_groups
-    monkeypatch.setattr(TorchAttentionBackend, "_decode_groups", lambda self, *a: calls.append(split(self, *a)) or calls[-1])
+    split = attention.plan_decode_groups
+    monkeypatch.setattr(attention, "plan_decode_groups", lambda *a: calls.append(split(*a)) or calls[-1])
     model, ref = model_and_reference(name)
     got, _ = run_engine(model, **kwargs)
     assert_same(got, ref, f"{name} {kwargs} split by length")

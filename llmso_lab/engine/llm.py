@@ -10,12 +10,10 @@ from llmso_lab.engine.config import EngineConfig
 from llmso_lab.engine.metrics import StepTrace
 from llmso_lab.engine.model_runner import ModelRunner
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
-from llmso_lab.engine.policy import SchedulingPolicy
 from llmso_lab.engine.sampler import Sampler
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.engine.scheduler import Scheduler, SchedulerOutput
 from llmso_lab.engine.sequence import Sequence
-from llmso_lab.kv.block_manager import BlockManager
 from llmso_lab.workloads import RequestMetrics
 
 Prompt = str | dict | list[int]
@@ -38,22 +36,19 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
-            block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, batching, batch_window_s,
-            enable_chunked_prefill, enable_prefix_caching, scheduling_policy, preemption_mode, swap_space_blocks,
-            attention_backend, seed, kv_cache_memory_bytes, sjf_predictor, sjf_aging)
+            block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, batching=batching,
+            batch_window_s=batch_window_s, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+            preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
+            seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.dtype)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
-        self.block_manager = BlockManager(c.num_kv_blocks, block_size, enable_prefix_caching, c.swap_space_blocks)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        self.scheduler = Scheduler(
-            self.block_manager, SchedulingPolicy(scheduling_policy, sjf_predictor, sjf_aging), batching=batching,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=c.max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
-            batch_window_s=batch_window_s, eos_token_ids=self.eos_token_ids, clock=clock)
-        self.model_runner = ModelRunner(self.model, block_size=block_size, num_kv_blocks=c.num_kv_blocks,
-                                        num_swap_blocks=c.swap_space_blocks, max_model_len=c.max_model_len,
-                                        attention_backend=attention_backend)
+        self.scheduler = Scheduler(c, self.eos_token_ids, clock)
+        self.block_manager = self.scheduler.block_manager
+        self.model_runner = ModelRunner(self.model, c)
         self.sampler = Sampler()
         self.num_requests = self.num_steps = self.num_finished = 0
         self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
@@ -137,7 +132,7 @@ class LLM:
         self.model_runner.swap_in(out.blocks_to_swap_in)
         if not out.scheduled:
             return
-        logits = self.model_runner.execute(out.scheduled)    # [rows, V]: sampling sequences (+ idle static rows)
+        logits = self.model_runner.execute(out)              # [rows, V]: sampling sequences (+ idle static rows)
         rows = [item for item in out.scheduled if item.sample or item.idle]
         sampling = [(r, item.seq) for r, item in enumerate(rows) if item.sample]
         if len(sampling) < len(rows):
