@@ -303,3 +303,12 @@ def test_properties_random_workloads(lens, batching, budget, chunked, block_size
     assert len(e.block_manager.free_swap_ids) == e.block_manager.num_swap_blocks
     total = e.stats()["num_preemptions_total"]
     assert total == sum(len(t.preempted) for t in traces) == sum(o.metrics.num_preemptions for o in outs.values())
+
+
+@pytest.mark.timeout(20)
+def test_dynamic_generate_with_a_frozen_clock_raises_instead_of_hanging():
+    """An injected clock that never moves: the batch window never closes, so `generate` must say so
+    instead of spinning forever. (`step()` itself may idle: the caller moves the clock, as above.)"""
+    e = llm(batching="dynamic", max_num_seqs=4, batch_window_s=0.05, clock=lambda: 0.0)
+    with pytest.raises(RuntimeError, match="clock"):
+        e.generate([prompt(3), prompt(4)], sp(2), use_tqdm=False)

@@ -52,7 +52,7 @@ class LLM:
         self.sampler = Sampler()
         self.num_requests = self.num_steps = self.num_finished = 0
         self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
-        self.busy_time_s, self.peak_blocks_used, self.start_time = 0.0, 0, None
+        self.busy_time_s, self.peak_blocks_used = 0.0, 0
 
     # ---- requests ----------------------------------------------------------------------------
     def _validate(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[list[int], str | None]:
@@ -95,7 +95,6 @@ class LLM:
         self.num_requests += 1
         seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + index) % (1 << 63)
         now = self.clock()
-        self.start_time = self.start_time or now
         seq = Sequence(index, str(index), ids, params, now if arrival_time is None else arrival_time, priority,
                        prompt=text, generator=torch.Generator().manual_seed(seed))
         self.scheduler.add(seq)
@@ -200,10 +199,16 @@ class LLM:
                         bar.update(1)
                 if trace.num_batched_tokens or finished:
                     last_progress = self.clock()
-                elif self.clock() - last_progress > 30 + self.scheduler.batch_window_s:
+                elif self.clock() - last_progress > 30 + self.config.batch_window_s:
                     raise RuntimeError("the scheduler made no progress for 30 s; this is a bug, please report it")
-                else:
-                    time.sleep(0.001)   # dynamic batching: waiting for the batch window to close
+                else:   # dynamic batching: waiting for the batch window to close
+                    before = self.clock()
+                    time.sleep(0.001)
+                    if self.clock() == before:
+                        raise RuntimeError(
+                            f"generate is waiting for the dynamic batch window (batch_window_s={self.config.batch_window_s}) "
+                            "to close, but the engine clock did not advance during a 1 ms sleep: pass a clock that "
+                            "advances, or call step() yourself and move the clock between steps")
         return [results[i] for i in ids]
 
     def stats(self) -> dict:

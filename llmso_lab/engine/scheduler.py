@@ -16,7 +16,6 @@ preempt; the token budget and chunked prefill are iteration-level knobs and do n
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -69,16 +68,14 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                           config.swap_space_blocks)
         self.policy = SchedulingPolicy(config.scheduling_policy, config.sjf_predictor, config.sjf_aging)
-        self.waiting: deque[Sequence] = deque()   # arrival order; recompute-preempted go to the front
+        # Queue order carries no meaning: every read orders the queue by the policy (`policy.order`).
+        self.waiting: list[Sequence] = []   # new, or preempted by recompute
         self.running: list[Sequence] = []
-        self.swapped: deque[Sequence] = deque()
+        self.swapped: list[Sequence] = []   # preempted by swap
         self.num_preemptions_total = self.num_recomputes = self.num_swaps = 0
 
     def add(self, seq: Sequence) -> None:
-        i = len(self.waiting)   # keep the queue sorted by arrival time (usually: append at the end)
-        while i > 0 and self.waiting[i - 1].arrival_time > seq.arrival_time:
-            i -= 1
-        self.waiting.insert(i, seq)
+        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -178,13 +175,13 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(victim):
             out.blocks_to_swap_out += self.block_manager.swap_out(victim)   # KV is kept, in the CPU pool
             victim.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(victim)
+            self.swapped.append(victim)
             self.num_swaps += 1
         else:   # recompute (also the fallback when the swap pool is full): drop the KV, prefill again later
             self.block_manager.free(victim)
             victim.num_computed_tokens = 0
             victim.status = SequenceStatus.WAITING
-            self.waiting.appendleft(victim)
+            self.waiting.append(victim)
             self.num_recomputes += 1
         return item.num_new_tokens if item else 0
 
