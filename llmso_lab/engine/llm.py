@@ -53,6 +53,7 @@ class LLM:
         self.num_requests = self.num_steps = self.num_finished = 0
         self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
         self.busy_time_s, self.peak_blocks_used = 0.0, 0
+        self.undelivered: list[RequestOutput] = []   # finished inside generate(), not its own: the next step() returns them
 
     # ---- requests ----------------------------------------------------------------------------
     def _validate(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[list[int], str | None]:
@@ -102,11 +103,18 @@ class LLM:
         return seq.request_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Is a request still queued or running, or finished but its output not yet returned by `step()`?"""
+        return self.scheduler.has_unfinished() or bool(self.undelivered)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepTrace]:
-        """One scheduler iteration: the lecture's four steps. Returns the requests retired in step 1."""
+        """One scheduler iteration: the lecture's four steps. Returns the requests retired in step 1
+        (after any that finished inside an earlier `generate` call; see there) and the step's trace."""
+        earlier, self.undelivered = self.undelivered, []
+        finished, trace = self._step()
+        return earlier + finished, trace
+
+    def _step(self) -> tuple[list[RequestOutput], StepTrace]:
         trace = StepTrace(step=self.num_steps, start_time=self.clock())
         # 1. retire sequences that hit EOS / a stop id / max_tokens last step; their KV blocks go back
         retired = self.scheduler.retire()
@@ -173,7 +181,9 @@ class LLM:
     # ---- offline API -------------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: list[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run `prompts` to completion; outputs in prompt order. All inputs are checked before any is queued."""
+        """Run `prompts` to completion; returns their outputs, in prompt order. All inputs are checked before any
+        is queued. Requests queued earlier with `add_request` are served alongside; those that finish here are
+        not in the result (vLLM's `generate` would mix them in) but kept: the next `step()` returns them."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -191,12 +201,14 @@ class LLM:
         with tqdm(total=n, desc="generate", disable=not use_tqdm) as bar:
             last_progress = self.clock()
             while pending:
-                finished, trace = self.step()
+                finished, trace = self._step()
                 for o in finished:
                     if o.request_id in pending:
                         pending.discard(o.request_id)
                         results[o.request_id] = o
                         bar.update(1)
+                    else:
+                        self.undelivered.append(o)
                 if trace.num_batched_tokens or finished:
                     last_progress = self.clock()
                 elif self.clock() - last_progress > 30 + self.config.batch_window_s:
