@@ -218,9 +218,9 @@ class LLM:
                     time.sleep(0.001)
                     if self.clock() == before:
                         raise RuntimeError(
-                            f"generate is waiting for the dynamic batch window (batch_window_s={self.config.batch_window_s}) "
-                            "to close, but the engine clock did not advance during a 1 ms sleep: pass a clock that "
-                            "advances, or call step() yourself and move the clock between steps")
+                            f"generate is waiting for the dynamic batch window (batch_window_s="
+                            f"{self.config.batch_window_s}) to close, but the engine clock did not advance during a "
+                            "1 ms sleep: pass a clock that advances, or call step() yourself and move the clock")
         return [results[i] for i in ids]
 
     def stats(self) -> dict:
