@@ -85,7 +85,7 @@ def test_only_full_and_computed_blocks_are_hashed():
     bm.allocate(s, 12)
     s.num_computed_tokens = 6            # a chunk: block 0 is full and computed, block 1 is not
     bm.cache_full_blocks(s)
-    assert len(s.block_hashes) == 1 and len(bm.hash_to_block_id) == 1
+    assert len(s.prefix_ids) == 1 and len(bm.hash_to_block_id) == 1
     assert bm.get_computed_blocks(seq(range(13), 1)) == s.block_table[:1]
     s.num_computed_tokens = 12
     bm.cache_full_blocks(s)
@@ -201,3 +201,25 @@ def test_random_operations_keep_invariants(ops, num_blocks, caching):
         bm.free(s)
     assert bm.num_free_blocks == num_blocks
     bm.check_invariants([])
+
+
+@pytest.mark.parametrize("fake_hash", [lambda parent, tokens: 0, lambda parent, tokens: hash((parent, tokens)) % 3],
+                         ids=["constant", "three-values"])
+def test_a_hash_collision_never_reuses_a_wrong_block(monkeypatch, fake_hash):
+    """The hash only finds a candidate; a hit needs the same tokens after the same cached prefix (vLLM's
+    CVE-2025-25183 was a collision reusing another prefix's KV). Forced collisions: a block repeated at
+    several positions must not be served by the block computed at another position."""
+    import llmso_lab.kv.block_manager as block_manager
+
+    monkeypatch.setattr(block_manager, "hash_block", fake_hash)
+    bm = BlockManager(32, BS, enable_prefix_caching=True)
+    a = seq([1, 2, 3, 4] * 3 + [5, 6, 7, 8] + [9], 0)
+    compute(bm, a)
+    for tokens in ([1, 2, 3, 4] * 3 + [0], [1, 2, 3, 4, 5, 6, 7, 8, 0], [5, 6, 7, 8, 1, 2, 3, 4, 0], [1, 2, 3, 4] * 4 + [0]):
+        b = seq(tokens, 1)
+        hits = bm.get_computed_blocks(b)
+        for i, block_id in enumerate(hits):   # a hit is a block of `a` at the same position with the same prefix
+            assert block_id == a.block_table[i] and tokens[:(i + 1) * BS] == a.token_ids[:(i + 1) * BS], (tokens, hits)
+        compute(bm, b)
+        bm.check_invariants([a, b])
+        bm.free(b)

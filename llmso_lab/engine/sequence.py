@@ -37,7 +37,7 @@ class Sequence:
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     num_cached_tokens: int = 0         # of the prompt, found by prefix caching at the last admission
     block_table: list[int] = field(default_factory=list)    # KV block ids (CPU swap ids while SWAPPED)
-    block_hashes: list[int] = field(default_factory=list)   # hash chain of the full computed blocks
+    prefix_ids: list[int | None] = field(default_factory=list)   # prefix cache: name of each full computed block's prefix
     finish_reason: str | None = None   # "stop" | "length"
     num_preemptions: int = 0
     predicted_len: float = 0.0         # SJF: predicted output tokens still to generate (set by the policy)

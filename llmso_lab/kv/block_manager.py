@@ -9,14 +9,18 @@ p % block_size` of the paged cache `[num_blocks, block_size, Hkv, D]`. vLLM's ve
 - `free`: return a finished or preempted sequence's blocks;
 - `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back.
 
-Prefix caching: once a FULL block's K/V is computed, it gets `hash((parent block's hash, its token ids))`,
-a name for the whole prefix up to the end of that block. A later sequence whose tokens start with the same
-blocks shares them (ref_count += 1) instead of recomputing them. A freed block keeps its hash and stays
-in the free list, still reusable on a hit, until an allocation takes it (LRU eviction: the free list is
-ordered least recently freed first, and blocks without a hash are put at its front so they go first).
+Prefix caching: once a FULL block's K/V is computed, it is cached under the name of the prefix before it
+(`parent_id`, a number given to each cached prefix and never reused) and its own token ids. A later sequence
+whose tokens start with the same blocks shares them (ref_count += 1) instead of recomputing them. A hit must
+match that key exactly: `hash_block` only says where to look, so a hash collision costs a miss, never a block
+computed after another prefix (vLLM's CVE-2025-25183); by induction over the blocks a hit is the exact prefix.
+A freed block keeps its key and stays in the free list, still reusable on a hit, until an allocation takes it
+(LRU eviction: the free list is ordered least recently freed first, and blocks without a key are put at its
+front so they go first).
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence as Seq
@@ -29,17 +33,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes."""
-    return hash((parent_hash, token_ids))
+ROOT = 0   # the prefix id before a sequence's first block; cached prefixes are numbered from 1
+
+
+def hash_block(parent_id: int, token_ids: tuple[int, ...]) -> int:
+    """Where a full block sits in the prefix cache: a hash of its parent prefix's id and its token ids.
+    Different blocks may collide; a hit is decided by the exact key (see `BlockManager._lookup`)."""
+    return hash((parent_id, token_ids))
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None            # set when the block is full and computed (prefix caching)
-    token_ids: tuple[int, ...] = ()    # its tokens, checked on a hit to rule out hash collisions
+    hash: int | None = None            # set when the block is full, computed and cached (prefix caching)
+    parent_id: int = ROOT              # the cached prefix before it ...
+    token_ids: tuple[int, ...] = ()    # ... and its tokens: the exact key a hit must match
+    prefix_id: int | None = None       # the name of the prefix it ends (its children's parent_id); never reused
 
 
 class BlockManager:
@@ -51,6 +61,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = reuse first
         self.hash_to_block_id: dict[int, int] = {}
+        self.next_prefix_id = itertools.count(ROOT + 1)
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_ids: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.num_queried_tokens = 0    # prefix-cache statistics, in tokens, counted at admission
@@ -84,9 +95,9 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed first
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"block {block_id} on the free list has ref_count {block.ref_count}"
-        if block.hash is not None:   # evict the prefix it cached
+        if block.hash is not None:   # evict the prefix it cached; its prefix id is never given out again
             del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.parent_id, block.token_ids, block.prefix_id = None, ROOT, (), None
             self.num_evictions += 1
         block.ref_count = 1
         return block_id
@@ -100,6 +111,33 @@ class BlockManager:
             if block.hash is None:                                    # caches nothing: reuse it first
                 self.free_block_ids.move_to_end(block_id, last=False)
 
+    def _lookup(self, parent_id: int, token_ids: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly `token_ids` after the prefix `parent_id`, or None."""
+        block_id = self.hash_to_block_id.get(hash_block(parent_id, token_ids))
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block_id if block.parent_id == parent_id and block.token_ids == token_ids else None   # else: a collision
+
+    def _cache_block(self, block_id: int, parent_id: int, token_ids: tuple[int, ...]) -> int | None:
+        """Cache a full computed block (`token_ids` after prefix `parent_id`). Returns the id of the prefix it
+        ends: its own new one, or that of an equal block already cached (this one then stays private), or None
+        when another block holds its hash (a collision: the prefix goes unnamed, its children uncached)."""
+        same = self._lookup(parent_id, token_ids)
+        if same is not None:
+            return self.blocks[same].prefix_id
+        h = hash_block(parent_id, token_ids)
+        if h in self.hash_to_block_id:
+            return None
+        block = self.blocks[block_id]
+        assert block.hash is None, f"block {block_id} is already cached under another key"
+        block.hash, block.parent_id, block.token_ids, block.prefix_id = h, parent_id, token_ids, next(self.next_prefix_id)
+        self.hash_to_block_id[h] = block_id
+        return block.prefix_id
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
 
@@ -112,15 +150,13 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        bs, hits, parent = self.block_size, [], None
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, tokens)
-            block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        hits, parent = [], ROOT
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self._lookup(parent, self._block_tokens(seq, i))
+            if block_id is None:
                 break
             hits.append(block_id)
-            parent = h
+            parent = self.blocks[block_id].prefix_id
         return hits
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> bool:
@@ -139,7 +175,7 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-            seq.block_hashes.append(block.hash)
+            seq.prefix_ids.append(block.prefix_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks) * self.block_size
         if self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
@@ -158,25 +194,20 @@ class BlockManager:
         seq.block_table.extend(self._take_free_block() for _ in range(needed))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hash each block of `seq` that is now full and computed, so later sequences can share it."""
+        """Cache each block of `seq` that is now full and computed, so later sequences can share it."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
-            seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.hash_to_block_id:   # a duplicate stays private
-                block.hash, block.token_ids = h, tokens
-                self.hash_to_block_id[h] = block.block_id
+        for i in range(len(seq.prefix_ids), seq.num_computed_tokens // self.block_size):
+            parent = seq.prefix_ids[i - 1] if i else ROOT
+            seq.prefix_ids.append(None if parent is None else
+                                  self._cache_block(seq.block_table[i], parent, self._block_tokens(seq, i)))
 
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks. Last blocks first, so the prefix blocks stay cached longest."""
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table.clear()
-        seq.block_hashes.clear()
+        seq.prefix_ids.clear()
 
     # ---- swapping (preemption_mode="swap") ----------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
@@ -201,7 +232,7 @@ class BlockManager:
         mapping = [(swap_id, self._take_free_block()) for swap_id in seq.block_table]
         self.free_swap_ids.extend(swap_id for swap_id, _ in reversed(mapping))
         seq.block_table = [block_id for _, block_id in mapping]
-        seq.block_hashes.clear()   # re-hashed (and re-shared) by cache_full_blocks after its next step
+        seq.prefix_ids.clear()   # re-cached by cache_full_blocks after its next step
         return mapping
 
     # ---- checks ------------------------------------------------------------------------------
@@ -217,6 +248,7 @@ class BlockManager:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} holders"
             assert (block.ref_count == 0) == (block.block_id in free), f"block {block.block_id} free-list mismatch"
         for h, block_id in self.hash_to_block_id.items():
-            assert self.blocks[block_id].hash == h
+            block = self.blocks[block_id]
+            assert block.hash == h == hash_block(block.parent_id, block.token_ids) and block.prefix_id is not None
         swap_ids = [i for seq in swapped for i in seq.block_table]
         assert len(set(swap_ids) | set(self.free_swap_ids)) == len(swap_ids) + len(self.free_swap_ids) == self.num_swap_blocks
