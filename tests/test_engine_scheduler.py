@@ -312,3 +312,27 @@ def test_dynamic_generate_with_a_frozen_clock_raises_instead_of_hanging():
     e = llm(batching="dynamic", max_num_seqs=4, batch_window_s=0.05, clock=lambda: 0.0)
     with pytest.raises(RuntimeError, match="clock"):
         e.generate([prompt(3), prompt(4)], sp(2), use_tqdm=False)
+
+
+def test_swap_with_prefix_caching_preempts_no_more_than_recompute():
+    """With a shared system prompt and too few KV blocks, swap and recompute hold the same blocks: a victim's
+    shared prefix stays cached either way, and a swapped-in victim shares it again instead of copying it into
+    fresh blocks (which would crowd out the others and force extra preemptions). So both modes preempt the same
+    requests at the same steps; only how the victim's KV comes back differs. Greedy tokens equal HF's."""
+    from llmso_lab.engine.hf_reference import hf_greedy
+
+    system = [(11 * i) % 250 + 3 for i in range(16)]
+    prompts = [system + [100 + i] * 6 for i in range(5)]
+    runs = {}
+    for mode in ("swap", "recompute"):
+        e = LLM(MODEL, block_size=4, max_model_len=40, num_kv_blocks=14, enable_prefix_caching=True,
+                preemption_mode=mode, swap_space_blocks=64, max_num_batched_tokens=64)
+        for p in prompts:
+            e.add_request(p, sp(8))
+        outs, traces = run(e)
+        runs[mode] = (outs, [(t.step, t.preempted) for t in traces if t.preempted], len(traces), e.stats())
+    (swap_outs, swap_preempted, swap_steps, s), (rec_outs, rec_preempted, rec_steps, _) = runs["swap"], runs["recompute"]
+    assert s["num_preemptions_swap"] > 0
+    assert swap_preempted == rec_preempted and swap_steps == rec_steps
+    for i, p in enumerate(prompts):
+        assert swap_outs[str(i)].outputs[0].token_ids == rec_outs[str(i)].outputs[0].token_ids == hf_greedy(MODEL, p, 8)

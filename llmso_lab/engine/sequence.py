@@ -36,7 +36,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     num_cached_tokens: int = 0         # of the prompt, found by prefix caching at the last admission
-    block_table: list[int] = field(default_factory=list)    # KV block ids (CPU swap ids while SWAPPED)
+    block_table: list[int | None] = field(default_factory=list)   # KV block ids (None: in the CPU pool, swap_table)
+    swap_table: dict[int, int] = field(default_factory=dict)      # while SWAPPED: block index -> CPU swap block
     prefix_ids: list[int | None] = field(default_factory=list)   # prefix cache: name of each full computed block's prefix
     finish_reason: str | None = None   # "stop" | "length"
     num_preemptions: int = 0

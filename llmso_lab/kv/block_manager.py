@@ -1,4 +1,4 @@
-"""Paged KV block manager: ref-counted blocks, an LRU free list, prefix caching by hash chain, CPU swap.
+"""Paged KV block manager: ref-counted blocks, an LRU free list, exact prefix caching, CPU swap.
 
 A block holds the K/V of `block_size` consecutive tokens of one sequence; a sequence's `block_table` lists
 its block ids in order, so token position p lives in slot `block_table[p // block_size] * block_size +
@@ -7,7 +7,9 @@ p % block_size` of the paged cache `[num_blocks, block_size, Hkv, D]`. vLLM's ve
 - `can_allocate` / `allocate`: admit a waiting sequence (reusing cached prefix blocks when possible);
 - `may_append` / `append_slot`: grow a running sequence by the tokens it computes this step;
 - `free`: return a finished or preempted sequence's blocks;
-- `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back.
+- `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back. Swap composes
+  with prefix caching: blocks shared with other sequences stay on the device (still referenced: copying them
+  would free nothing), and at swap-in a block still in the prefix cache is shared again instead of copied.
 
 Prefix caching: once a FULL block's K/V is computed, it is cached under the name of the prefix before it
 (`parent_id`, a number given to each cached prefix and never reused) and its own token ids. A later sequence
@@ -102,6 +104,12 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def _share(self, block_id: int) -> None:
+        """One more holder of a cached block (it leaves the free list if nobody held it)."""
+        if self.blocks[block_id].ref_count == 0:
+            del self.free_block_ids[block_id]
+        self.blocks[block_id].ref_count += 1
+
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"double free of block {block_id}"
@@ -119,10 +127,12 @@ class BlockManager:
         block = self.blocks[block_id]
         return block_id if block.parent_id == parent_id and block.token_ids == token_ids else None   # else: a collision
 
-    def _cache_block(self, block_id: int, parent_id: int, token_ids: tuple[int, ...]) -> int | None:
+    def _cache_block(self, block_id: int, parent_id: int, token_ids: tuple[int, ...],
+                     prefix_id: int | None = None) -> int | None:
         """Cache a full computed block (`token_ids` after prefix `parent_id`). Returns the id of the prefix it
-        ends: its own new one, or that of an equal block already cached (this one then stays private), or None
-        when another block holds its hash (a collision: the prefix goes unnamed, its children uncached)."""
+        ends: its own new one (or `prefix_id`, the name this very content had before: a swap-in), or that of an
+        equal block already cached (this one then stays private), or None when another block holds its hash
+        (a collision: the prefix goes unnamed, its children uncached)."""
         same = self._lookup(parent_id, token_ids)
         if same is not None:
             return self.blocks[same].prefix_id
@@ -131,7 +141,8 @@ class BlockManager:
             return None
         block = self.blocks[block_id]
         assert block.hash is None, f"block {block_id} is already cached under another key"
-        block.hash, block.parent_id, block.token_ids, block.prefix_id = h, parent_id, token_ids, next(self.next_prefix_id)
+        block.hash, block.parent_id, block.token_ids = h, parent_id, token_ids
+        block.prefix_id = prefix_id if prefix_id is not None else next(self.next_prefix_id)
         self.hash_to_block_id[h] = block_id
         return block.prefix_id
 
@@ -170,12 +181,9 @@ class BlockManager:
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         assert self.can_allocate(seq, num_new_tokens, computed_blocks)
         for block_id in computed_blocks:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_ids[block_id]
-            block.ref_count += 1
+            self._share(block_id)
             seq.block_table.append(block_id)
-            seq.prefix_ids.append(block.prefix_id)
+            seq.prefix_ids.append(self.blocks[block_id].prefix_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks) * self.block_size
         if self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
@@ -204,51 +212,95 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks. Last blocks first, so the prefix blocks stay cached longest."""
+        assert not seq.swap_table, "swap the sequence in first"
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table.clear()
         seq.prefix_ids.clear()
 
     # ---- swapping (preemption_mode="swap") ----------------------------------------------------
+    def _blocks_to_copy(self, seq: Sequence) -> list[int]:
+        """Indices of the blocks a swap-out copies: those with computed K/V that `seq` holds alone."""
+        num_with_kv = cdiv(seq.num_computed_tokens, self.block_size)
+        return [i for i, block_id in enumerate(seq.block_table[:num_with_kv]) if self.blocks[block_id].ref_count == 1]
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= len(self.free_swap_ids)
+        return len(self._blocks_to_copy(seq)) <= len(self.free_swap_ids)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move `seq` to the CPU pool. Returns (device block, swap block) copies to do before the next forward."""
+        """Preempt `seq` by swap: the blocks it holds alone are copied to the CPU pool and released (a cached one
+        stays in the prefix cache until evicted); blocks it shares stay on the device, still referenced; blocks
+        past its computed tokens hold no K/V yet and are just released. `block_table[i]` becomes None for a block
+        now in the CPU pool at `swap_table[i]`. Returns the (device block, swap block) copies to do before the
+        next forward."""
         assert self.can_swap_out(seq)
-        mapping = [(block_id, self.free_swap_ids.pop()) for block_id in seq.block_table]
-        for block_id in reversed(seq.block_table):
+        copied, num_with_kv = set(self._blocks_to_copy(seq)), cdiv(seq.num_computed_tokens, self.block_size)
+        released = [b for i, b in enumerate(seq.block_table) if i in copied or i >= num_with_kv]
+        copies = []
+        for i in sorted(copied):
+            seq.swap_table[i] = self.free_swap_ids.pop()
+            copies.append((seq.block_table[i], seq.swap_table[i]))
+            seq.block_table[i] = None
+        del seq.block_table[num_with_kv:]
+        for block_id in reversed(released):   # last blocks first, as in free
             self._release(block_id)
-        seq.block_table = [swap_id for _, swap_id in mapping]
-        return mapping
+        return copies
+
+    def _cached_copy(self, seq: Sequence, i: int) -> int | None:
+        """A block in the prefix cache equal to `seq`'s block i (named by the prefix ids `seq` kept), or None."""
+        if i >= len(seq.prefix_ids) or seq.prefix_ids[i] is None:
+            return None
+        return self._lookup(seq.prefix_ids[i - 1] if i else ROOT, self._block_tokens(seq, i))
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        """Are there free blocks for `seq`'s swapped blocks not found in the prefix cache, for the cached ones
+        nobody holds now, and for `num_new_tokens` more tokens?"""
+        found = [self._cached_copy(seq, i) for i in seq.swap_table]
+        needed = sum(1 for b in found if b is None or self.blocks[b].ref_count == 0)
         extra = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
-        return len(seq.block_table) + extra <= self.num_free_blocks
+        return needed + extra <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring `seq` back from the CPU pool. Returns (swap block, device block) copies."""
-        assert len(seq.block_table) <= self.num_free_blocks
-        mapping = [(swap_id, self._take_free_block()) for swap_id in seq.block_table]
-        self.free_swap_ids.extend(swap_id for swap_id, _ in reversed(mapping))
-        seq.block_table = [block_id for _, block_id in mapping]
-        seq.prefix_ids.clear()   # re-cached by cache_full_blocks after its next step
-        return mapping
+        """Bring `seq` back. A swapped block still in the prefix cache is shared again (no copy); the others get
+        fresh blocks (cached again under their old key when it is free). Returns (swap block, device block) copies."""
+        assert self.can_swap_in(seq, 0)
+        found = {i: self._cached_copy(seq, i) for i in seq.swap_table}
+        for block_id in found.values():   # first, so that taking fresh blocks below cannot evict them
+            if block_id is not None:
+                self._share(block_id)
+        copies = []
+        for i, swap_id in seq.swap_table.items():
+            block_id = found[i]
+            if block_id is None:
+                block_id = self._take_free_block()
+                copies.append((swap_id, block_id))
+                if i < len(seq.prefix_ids) and seq.prefix_ids[i] is not None:
+                    self._cache_block(block_id, seq.prefix_ids[i - 1] if i else ROOT, self._block_tokens(seq, i),
+                                      seq.prefix_ids[i])
+            seq.block_table[i] = block_id
+            self.free_swap_ids.append(swap_id)
+        seq.swap_table.clear()
+        return copies
 
     # ---- checks ------------------------------------------------------------------------------
     def check_invariants(self, holders: Iterable[Sequence] = (), swapped: Iterable[Sequence] = ()) -> None:
-        """Assert the bookkeeping is consistent. `holders`: every sequence holding device blocks."""
+        """Assert the bookkeeping is consistent. `holders`: every running sequence; `swapped`: every swapped one
+        (it still holds the blocks it shares)."""
         free = set(self.free_block_ids)
         assert len(free) == len(self.free_block_ids)
+        swapped = list(swapped)
         refs = [0] * self.num_blocks
-        for seq in holders:
+        for seq in [*holders, *swapped]:
             for block_id in seq.block_table:
-                refs[block_id] += 1
+                if block_id is not None:
+                    refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} holders"
             assert (block.ref_count == 0) == (block.block_id in free), f"block {block.block_id} free-list mismatch"
         for h, block_id in self.hash_to_block_id.items():
             block = self.blocks[block_id]
             assert block.hash == h == hash_block(block.parent_id, block.token_ids) and block.prefix_id is not None
-        swap_ids = [i for seq in swapped for i in seq.block_table]
+        for seq in swapped:
+            assert all((b is None) == (i in seq.swap_table) for i, b in enumerate(seq.block_table))
+        swap_ids = [i for seq in swapped for i in seq.swap_table.values()]
         assert len(set(swap_ids) | set(self.free_swap_ids)) == len(swap_ids) + len(self.free_swap_ids) == self.num_swap_blocks
