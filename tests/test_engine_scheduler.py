@@ -228,6 +228,19 @@ def test_static_batching_pads_prompts_to_the_longest():
     assert t.num_tokens == {"0": 6, "1": 6} and t.num_padded_tokens == 4 and t.prefill == {"0": 2, "1": 6}
 
 
+def test_static_batch_reserves_the_padded_rectangle():
+    """Like HF generate's [batch, longest prompt + max new tokens] KV cache: every row reserves the blocks of the
+    batch's longest prompt + largest max_tokens (10 + 6 = 16 tokens = 4 blocks), and the batch takes only as
+    many rows as that rectangle fits (16 blocks: 4 of the 5 requests)."""
+    e = llm(batching="static", max_num_seqs=5, num_kv_blocks=16)
+    for n, m in [(2, 3), (10, 1), (3, 6), (1, 1), (4, 2)]:
+        e.add_request(prompt(n), sp(m))
+    _, t = e.step()
+    assert sorted(t.prefill) == ["0", "1", "2", "3"] and t.num_blocks_used == 4 * 4
+    outs, _ = run(e)
+    assert len(outs["4"].outputs[0].token_ids) == 2   # the fifth request ran in the next batch
+
+
 def test_dynamic_batching_waits_for_full_batch_or_window():
     now = [0.0]
     e = llm(batching="dynamic", max_num_seqs=4, batch_window_s=0.05, clock=lambda: now[0])

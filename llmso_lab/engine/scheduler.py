@@ -10,8 +10,12 @@ Static / dynamic batching form a batch only when the previous one has completely
 prompts are prefilled together, padded to the longest, then decoded in lock-step; a finished row keeps its
 slot and is still computed (idle) until the whole batch is done (Hugging Face `generate`,
 FasterTransformer). Dynamic waits to form a batch until it is full or the oldest request has waited
-`batch_window_s`. These modes reserve each row's KV for prompt + max_tokens up front, so they never
-preempt; the token budget and chunked prefill are iteration-level knobs and do not apply to them.
+`batch_window_s`. Like those systems, a batch reserves a rectangular KV cache up front: every row holds
+blocks for the batch's longest prompt + its largest max_tokens (`llmso_lab.batching.static_batch`), so
+these modes never preempt; the token budget and chunked prefill are iteration-level knobs and do not apply.
+
+The rules shared with the simulator (`llmso_lab.sim`) live in `llmso_lab.batching` (token budget, what a
+decode is, the static reservation) and `llmso_lab.policies` (order and victims).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from llmso_lab.batching import prefill_chunk, static_batch
 from llmso_lab.engine.policy import SchedulingPolicy
 from llmso_lab.engine.sequence import Sequence, SequenceStatus
 from llmso_lab.kv.block_manager import BlockManager
@@ -106,13 +111,11 @@ class Scheduler:
                 item.seq.first_scheduled_time = now
         return out
 
-    def _num_new_tokens(self, seq: Sequence, budget: int, num_computed: int | None = None) -> int:
-        remaining = seq.num_tokens - (seq.num_computed_tokens if num_computed is None else num_computed)
-        if self.config.enable_chunked_prefill:
-            return max(0, min(remaining, budget))
-        return remaining if remaining <= budget else 0   # the whole prompt or nothing
+    def _chunk(self, remaining: int, budget: int) -> int:
+        return prefill_chunk(remaining, budget, self.config.enable_chunked_prefill)
 
     def _schedule_continuous(self, out: SchedulerOutput, now: float) -> None:
+        bm, max_num_seqs = self.block_manager, self.config.max_num_seqs
         budget, sched = self.config.max_num_batched_tokens, {}   # seq_id -> ScheduledSeq, in scheduling order
         # (a) running sequences, decodes first: each needs KV room for its next token(s)
         decodes = [s for s in self.running if not s.is_prefill]
@@ -120,40 +123,41 @@ class Scheduler:
         for seq in self.policy.order(decodes, now) + self.policy.order(prefills, now):
             if seq.status is not SequenceStatus.RUNNING:
                 continue   # preempted as a victim earlier in this loop
-            n = self._num_new_tokens(seq, budget)
+            n = self._chunk(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 continue
-            while not self.block_manager.may_append(seq, n):
+            while not bm.may_append(seq, n):
                 victim = self.policy.victim(self.running, now)
                 budget += self._preempt(victim, sched, out)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slot(seq, n)
+                bm.append_slot(seq, n)
                 sched[seq.seq_id] = ScheduledSeq(seq, n)
                 budget -= n
-        # (b) bring back swapped sequences, then admit waiting ones (not in a step that had to preempt)
+        # (b) bring back swapped sequences, then admit waiting ones; neither in a step that had to preempt,
+        # and no new request while a swapped one is still out (vLLM: swapped sequences come back first)
         if not out.preempted:
             for seq in self.policy.order(self.swapped, now):
-                n = self._num_new_tokens(seq, budget)
-                if len(self.running) >= self.config.max_num_seqs or n == 0 or not self.block_manager.can_swap_in(seq, n):
+                n = self._chunk(seq.num_uncomputed_tokens, budget)
+                if len(self.running) >= max_num_seqs or n == 0 or not bm.can_swap_in(seq, n):
                     break
                 self.swapped.remove(seq)
-                out.blocks_to_swap_in += self.block_manager.swap_in(seq)
-                self.block_manager.append_slot(seq, n)
+                out.blocks_to_swap_in += bm.swap_in(seq)
+                bm.append_slot(seq, n)
                 self._start_running(seq, n, sched)
                 out.swapped_in.append(seq)
                 budget -= n
         if not out.preempted and not self.swapped:
             for seq in self.policy.order((s for s in self.waiting if s.arrival_time <= now), now):
-                if len(self.running) >= self.config.max_num_seqs:
+                if len(self.running) >= max_num_seqs:
                     break
-                computed = self.block_manager.get_computed_blocks(seq)   # prefix-cache hits
-                n = self._num_new_tokens(seq, budget, len(computed) * self.block_manager.block_size)
-                if n == 0 or not self.block_manager.can_allocate(seq, n, computed):
+                computed = bm.get_computed_blocks(seq)   # prefix-cache hits
+                n = self._chunk(seq.num_tokens - len(computed) * bm.block_size, budget)
+                if n == 0 or not bm.can_allocate(seq, n, computed):
                     break
                 self.waiting.remove(seq)
-                self.block_manager.allocate(seq, n, computed)
+                bm.allocate(seq, n, computed)
                 self._start_running(seq, n, sched)
                 budget -= n
         out.scheduled = sorted(sched.values(), key=lambda item: item.num_query_tokens > 1)   # decodes first
@@ -186,21 +190,20 @@ class Scheduler:
         return item.num_new_tokens if item else 0
 
     def _schedule_static(self, out: SchedulerOutput, now: float) -> None:
-        if not self.running:   # the previous batch is retired: form the next one
+        bm, cfg = self.block_manager, self.config
+        if not self.running:   # the previous batch is retired (every block is free): form the next one
             arrived = [s for s in self.policy.order(self.waiting, now) if s.arrival_time <= now]
             if not arrived:
                 return
-            if (self.config.batching == "dynamic" and len(arrived) < self.config.max_num_seqs
-                    and now - min(s.arrival_time for s in arrived) < self.config.batch_window_s):
+            if (cfg.batching == "dynamic" and len(arrived) < cfg.max_num_seqs
+                    and now - min(s.arrival_time for s in arrived) < cfg.batch_window_s):
                 return   # wait for the batch to fill or for the window to close
-            for seq in arrived[:self.config.max_num_seqs]:
-                computed = self.block_manager.get_computed_blocks(seq)
-                reserve = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.config.max_model_len)
-                reserve -= len(computed) * self.block_manager.block_size   # KV for the whole request, reserved now
-                if not self.block_manager.can_allocate(seq, reserve, computed):
-                    break
+            rows, reserve = static_batch([(s.num_prompt_tokens, s.sampling_params.max_tokens) for s in arrived],
+                                         cfg.max_num_seqs, bm.num_free_blocks, bm.block_size, cfg.max_model_len)
+            for seq in arrived[:rows]:   # each row's KV for the whole rectangle, reserved now (less its cached prefix)
+                computed = bm.get_computed_blocks(seq)
                 self.waiting.remove(seq)
-                self.block_manager.allocate(seq, reserve, computed)
+                bm.allocate(seq, reserve - len(computed) * bm.block_size, computed)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
         if any(s.is_prefill for s in self.running):   # first step of the batch: padded prefill

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmso_lab.batching import is_decode
 from llmso_lab.engine.sampling_params import SamplingParams
 
 
@@ -79,7 +80,7 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """True while (re)computing a prompt: nothing sampled yet, or the KV was dropped by preemption."""
-        return self.num_output_tokens == 0 or self.num_computed_tokens < len(self.token_ids) - 1
+        return not is_decode(len(self.token_ids), self.num_computed_tokens, self.num_output_tokens)
 
     @property
     def is_finished(self) -> bool:
