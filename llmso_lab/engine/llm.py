@@ -25,6 +25,10 @@ class LLM:
     `model` is a registry name ("smollm2-135m", "tiny-llama") or a Hugging Face PreTrainedModel.
     `num_kv_blocks=None` sizes the cache from `kv_cache_memory_bytes` (capped at what `max_num_seqs`
     sequences of `max_model_len` tokens can use). See `Scheduler` for what the batching modes mean.
+
+    Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
+    `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
+    can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_kv_blocks: int | None = None,
