@@ -217,7 +217,8 @@ def test_a_hash_collision_never_reuses_a_wrong_block(monkeypatch, fake_hash):
     bm = BlockManager(32, BS, enable_prefix_caching=True)
     a = seq([1, 2, 3, 4] * 3 + [5, 6, 7, 8] + [9], 0)
     compute(bm, a)
-    for tokens in ([1, 2, 3, 4] * 3 + [0], [1, 2, 3, 4, 5, 6, 7, 8, 0], [5, 6, 7, 8, 1, 2, 3, 4, 0], [1, 2, 3, 4] * 4 + [0]):
+    for tokens in ([1, 2, 3, 4] * 3 + [0], [1, 2, 3, 4, 5, 6, 7, 8, 0], [5, 6, 7, 8, 1, 2, 3, 4, 0],
+                   [1, 2, 3, 4] * 4 + [0]):
         b = seq(tokens, 1)
         hits = bm.get_computed_blocks(b)
         for i, block_id in enumerate(hits):   # a hit is a block of `a` at the same position with the same prefix

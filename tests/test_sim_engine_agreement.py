@@ -33,6 +33,13 @@ CASES = {
 }
 
 
+def decisions(work: list[Request], **kw):
+    """The workload through the engine and through the simulator: their `StepDecisions` lists."""
+    llm = LLM(MODEL, block_size=BLOCK, max_model_len=MAX_LEN, swap_space_blocks=256, **kw)
+    engine = decisions_from_engine_traces(run_on_engine(llm, work, seed=0).traces)
+    return engine, decisions_from_sim(simulate(work, UnitCost(), SimConfig(block_size=BLOCK, **kw)))
+
+
 def _first_difference(a, b) -> str:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -43,10 +50,7 @@ def _first_difference(a, b) -> str:
 @pytest.mark.parametrize("case", CASES)
 def test_engine_and_simulator_make_the_same_decisions(case):
     kw = {"num_kv_blocks": 64, "max_num_seqs": 4, **CASES[case]}
-    work = [Request(i, 0.0, p, o, prio) for i, (p, o, prio) in enumerate(WORK)]
-    llm = LLM(MODEL, block_size=BLOCK, max_model_len=MAX_LEN, swap_space_blocks=256, **kw)
-    engine = decisions_from_engine_traces(run_on_engine(llm, work, seed=0).traces)
-    sim = decisions_from_sim(simulate(work, UnitCost(), SimConfig(block_size=BLOCK, **kw)))
+    engine, sim = decisions([Request(i, 0.0, p, o, prio) for i, (p, o, prio) in enumerate(WORK)], **kw)
     assert engine == sim, _first_difference(engine, sim)
     preempted = sum(len(d.preempted) for d in engine)
     if case.startswith(("recompute", "swap")):   # the settings must really exercise preemption
@@ -68,8 +72,5 @@ def test_same_decisions_on_random_workloads(work, batching, chunked, budget, blo
     kw = dict(batching=batching, enable_chunked_prefill=chunked, max_num_batched_tokens=budget if chunked else MAX_LEN,
               num_kv_blocks=blocks, max_num_seqs=max_num_seqs, scheduling_policy=policy, preemption_mode=mode,
               batch_window_s=0.0)
-    reqs = [Request(i, 0.0, p, o, prio) for i, (p, o, prio) in enumerate(work)]
-    llm = LLM(MODEL, block_size=BLOCK, max_model_len=MAX_LEN, swap_space_blocks=256, **kw)
-    engine = decisions_from_engine_traces(run_on_engine(llm, reqs, seed=0).traces)
-    sim = decisions_from_sim(simulate(reqs, UnitCost(), SimConfig(block_size=BLOCK, **kw)))
+    engine, sim = decisions([Request(i, 0.0, p, o, prio) for i, (p, o, prio) in enumerate(work)], **kw)
     assert engine == sim, _first_difference(engine, sim)

@@ -57,7 +57,7 @@ class LLM:
         self.num_requests = self.num_steps = self.num_finished = 0
         self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
         self.busy_time_s, self.peak_blocks_used = 0.0, 0
-        self.undelivered: list[RequestOutput] = []   # finished inside generate(), not its own: the next step() returns them
+        self.undelivered: list[RequestOutput] = []   # finished inside generate() but not its own: for the next step()
 
     # ---- requests ----------------------------------------------------------------------------
     def _validate(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[list[int], str | None]:
