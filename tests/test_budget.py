@@ -1,4 +1,5 @@
-"""The decode-first token budget (llmso_lab.sim.budget) and its use by the simulator."""
+"""The decode-first token budget (llmso_lab.sim.budget) and its use by the simulator; the other batching rules
+of `llmso_lab.batching` (what a decode is, the static batch's padded KV reservation)."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,3 +67,20 @@ def test_simulator_follows_the_same_rule(chunked):
         assert [s.num_prefill_tokens for s in joined] == [13, 13, 13, 13, 8]
     else:         # the whole prompt in one step next to the decodes: the generation stall
         assert [s.num_prefill_tokens for s in joined] == [60]
+
+
+def test_is_decode():
+    from llmso_lab.batching import is_decode
+    assert is_decode(num_tokens=9, num_computed=8, num_output=1)        # computes its last sampled token
+    assert not is_decode(num_tokens=9, num_computed=8, num_output=0)    # the last prompt token of a chunked prefill
+    assert not is_decode(num_tokens=9, num_computed=0, num_output=2)    # re-prefill after a recompute preemption
+
+
+def test_static_batch_reserves_a_rectangle():
+    from llmso_lab.batching import static_batch
+    reqs = [(2, 3), (10, 1), (3, 6), (1, 1)]
+    assert static_batch(reqs, 4, 100, 4) == (4, 16)               # longest prompt 10 + most new tokens 6
+    assert static_batch(reqs, 4, 15, 4) == (3, 16)                # 4 rows x 4 blocks do not fit 15 blocks
+    assert static_batch(reqs, 4, 5, 4) == (1, 5)                  # one row alone: its own 2 + 3 tokens
+    assert static_batch(reqs, 2, 100, 4, max_model_len=8) == (2, 8)
+    assert static_batch(reqs, 4, 1, 4) == (0, 0) and static_batch([], 4, 100, 4) == (0, 0)

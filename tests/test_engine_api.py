@@ -74,6 +74,25 @@ def test_add_request_step_and_trace():
     assert [o.request_id for o in finished] == [rid] and t.retired == [rid] and not e.has_unfinished_requests()
 
 
+def test_generate_keeps_the_outputs_of_requests_queued_before_it():
+    """`generate` returns exactly its own prompts; a request queued earlier with `add_request` that finishes
+    inside it is not lost: the next `step()` returns it (and `has_unfinished_requests` says it is pending)."""
+    e = engine()
+    early = e.add_request(GOOD, SamplingParams(max_tokens=2, ignore_eos=True))
+    late = e.add_request([4, 4, 4], SamplingParams(max_tokens=40, ignore_eos=True))   # still running afterwards
+    outs = e.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.request_id for o in outs] == ["2"] and len(outs[0].outputs[0].token_ids) == 6
+    assert e.has_unfinished_requests()
+    finished, _ = e.step()
+    assert [o.request_id for o in finished] == [early]
+    assert finished[0].outputs[0].token_ids == hf_greedy(MODEL, GOOD["prompt_token_ids"], 2)
+    rest = []
+    while e.has_unfinished_requests():
+        rest += e.step()[0]
+    assert [o.request_id for o in rest] == [late] and len(rest[0].outputs[0].token_ids) == 40
+    assert e.step()[0] == [] and e.stats()["num_requests_finished"] == 3
+
+
 def test_registry_name():
     e = LLM("tiny-llama", block_size=4, max_model_len=32)
     assert len(e.generate(GOOD, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 3

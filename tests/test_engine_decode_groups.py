@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from llmso_lab.engine.attention import AttentionMetadata, TorchAttentionBackend, length_groups
+from llmso_lab.engine.attention import AttentionMetadata, TorchAttentionBackend
+from llmso_lab.engine.decode_groups import length_groups
 
 
 def _decode_batch(ctx, H=6, Hkv=2, D=16, bs=4, seed=0):
@@ -34,11 +35,11 @@ def _decode_batch(ctx, H=6, Hkv=2, D=16, bs=4, seed=0):
 
 
 @pytest.mark.parametrize("ctx", [[3, 40, 41, 9, 17, 64, 5, 33], [7], [12, 12, 12], [1, 2, 100, 101, 3]])
-@pytest.mark.parametrize("group_cost", [0, 2, 10**6])
+@pytest.mark.parametrize("group_cost", [0, 2, 10**6, None])
 def test_grouped_decode_matches_per_sequence_attention(ctx, group_cost):
     q, kc, vc, meta, ref, (H, Hkv, D, bs) = _decode_batch(ctx)
     backend = TorchAttentionBackend(H, Hkv, D, bs)
-    backend.GROUP_COST_BLOCKS = group_cost
+    backend.decode_group_cost = group_cost
     backend.plan(meta)
     out = backend.forward(q, None, None, kc, vc, meta)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -46,6 +47,8 @@ def test_grouped_decode_matches_per_sequence_attention(ctx, group_cost):
     assert sorted(r for g in groups for r in g.rows.tolist()) == list(range(len(ctx)))
     if group_cost == 0:   # free groups: every distinct block count gets its own, nothing padded beyond a block
         assert len(groups) == len({-(-c // bs) for c in ctx})
+    if group_cost is None:   # the reference: one group, every row padded to the longest
+        assert len(groups) == 1 and groups[0].rows.tolist() == list(range(len(ctx)))
 
 
 def _cost(lengths, groups, group_cost):

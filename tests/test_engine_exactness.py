@@ -223,13 +223,32 @@ SPLIT = [("llama", dict()), ("llama", dict(max_num_batched_tokens=3, enable_pref
 @pytest.mark.parametrize("name,kwargs", SPLIT, ids=[f"{n}-{i}" for i, (n, _) in enumerate(SPLIT)])
 def test_decode_length_groups_match_hf(name, kwargs, monkeypatch):
     """Free groups: the torch backend splits every decode batch by block count, and tokens stay HF's."""
-    from llmso_lab.engine.attention import TorchAttentionBackend
+    from llmso_lab.engine import attention
 
-    monkeypatch.setattr(TorchAttentionBackend, "GROUP_COST_BLOCKS", 0)
+    monkeypatch.setattr(attention.TorchAttentionBackend, "decode_group_cost", 0)
     calls = []
-    split = TorchAttentionBackend._decode_groups
-    monkeypatch.setattr(TorchAttentionBackend, "_decode_groups", lambda self, *a: calls.append(split(self, *a)) or calls[-1])
+    split = attention.plan_decode_groups
+    monkeypatch.setattr(attention, "plan_decode_groups", lambda *a: calls.append(split(*a)) or calls[-1])
     model, ref = model_and_reference(name)
     got, _ = run_engine(model, **kwargs)
     assert_same(got, ref, f"{name} {kwargs} split by length")
     assert max(len(groups) for groups in calls) > 1, "no decode batch was split"
+
+
+@pytest.mark.parametrize("fake_hash", [lambda parent, tokens: 0, lambda parent, tokens: hash((parent, tokens)) % 3],
+                         ids=["constant", "three-values"])
+def test_prefix_cache_stays_exact_under_hash_collisions(monkeypatch, fake_hash):
+    """Forced hash collisions (every block hashes alike, or to one of 3 values) on prompts whose blocks repeat:
+    prefix caching must still give HF's tokens, reusing only blocks with the same tokens after the same prefix."""
+    import llmso_lab.kv.block_manager as block_manager
+
+    monkeypatch.setattr(block_manager, "hash_block", fake_hash)
+    model, _ = model_and_reference("llama")
+    rep = [17, 99, 4, 250]
+    prompts = [rep * 3 + [5], rep * 2 + [8, 7, 6, 5] + rep + [1], rep * 4 + [2], [8, 7, 6, 5] + rep * 2 + [3]]
+    ref = [hf_greedy(model, p, 6) for p in prompts]
+    llm = LLM(model, block_size=BLOCK, max_model_len=MAX_LEN, enable_prefix_caching=True, max_num_seqs=1)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                        SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)]
+    assert_same(got, ref, "prefix caching under hash collisions")
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0   # exact hits still happen

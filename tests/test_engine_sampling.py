@@ -1,5 +1,5 @@
-"""Sampling: greedy / temperature / top-k / top-p are statistically right, and a seeded request's output
-does not depend on what else shares its batch."""
+"""Sampling: greedy / temperature / top-k / top-p are statistically right, and a seeded request's random draws
+do not depend on what else shares its batch (nor, on this tiny model without near-ties, do its tokens)."""
 from __future__ import annotations
 
 import pytest
@@ -78,3 +78,26 @@ def test_seeded_request_does_not_depend_on_the_batch(kw):
     others = [SamplingParams(max_tokens=5 + i, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(5)]
     crowd = engine(**kw).generate(PROMPTS[:2] + [PROMPTS[2]] + PROMPTS[3:], others[:2] + [mine] + others[2:], use_tqdm=False)
     assert crowd[2].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=5), dict(batching="static", max_num_seqs=3)])
+def test_a_requests_random_draws_do_not_depend_on_the_batch(kw, monkeypatch):
+    """The draws themselves, not just the tokens: the seeded request's generator is in the same state before
+    each of its draws whether it runs alone or in a crowd (only its logits can change with the batch)."""
+    from llmso_lab.engine import sampler
+
+    states: dict[int, list[torch.Tensor]] = {}
+    draw = sampler.sample_token
+
+    def spy(logits, params, generator):
+        states.setdefault(generator.initial_seed(), []).append(generator.get_state().clone())
+        return draw(logits, params, generator)
+
+    monkeypatch.setattr(sampler, "sample_token", spy)
+    mine = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, top_p=0.9, seed=1234)
+    engine().generate(PROMPTS[2], mine, use_tqdm=False)
+    alone = states.pop(1234)
+    others = [SamplingParams(max_tokens=5 + i, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(5)]
+    engine(**kw).generate(PROMPTS[:2] + [PROMPTS[2]] + PROMPTS[3:], others[:2] + [mine] + others[2:], use_tqdm=False)
+    crowd = states[1234]
+    assert len(alone) == len(crowd) == 20 and all(torch.equal(a, b) for a, b in zip(alone, crowd))

@@ -228,6 +228,19 @@ def test_static_batching_pads_prompts_to_the_longest():
     assert t.num_tokens == {"0": 6, "1": 6} and t.num_padded_tokens == 4 and t.prefill == {"0": 2, "1": 6}
 
 
+def test_static_batch_reserves_the_padded_rectangle():
+    """Like HF generate's [batch, longest prompt + max new tokens] KV cache: every row reserves the blocks of the
+    batch's longest prompt + largest max_tokens (10 + 6 = 16 tokens = 4 blocks), and the batch takes only as
+    many rows as that rectangle fits (16 blocks: 4 of the 5 requests)."""
+    e = llm(batching="static", max_num_seqs=5, num_kv_blocks=16)
+    for n, m in [(2, 3), (10, 1), (3, 6), (1, 1), (4, 2)]:
+        e.add_request(prompt(n), sp(m))
+    _, t = e.step()
+    assert sorted(t.prefill) == ["0", "1", "2", "3"] and t.num_blocks_used == 4 * 4
+    outs, _ = run(e)
+    assert len(outs["4"].outputs[0].token_ids) == 2   # the fifth request ran in the next batch
+
+
 def test_dynamic_batching_waits_for_full_batch_or_window():
     now = [0.0]
     e = llm(batching="dynamic", max_num_seqs=4, batch_window_s=0.05, clock=lambda: now[0])
@@ -303,3 +316,36 @@ def test_properties_random_workloads(lens, batching, budget, chunked, block_size
     assert len(e.block_manager.free_swap_ids) == e.block_manager.num_swap_blocks
     total = e.stats()["num_preemptions_total"]
     assert total == sum(len(t.preempted) for t in traces) == sum(o.metrics.num_preemptions for o in outs.values())
+
+
+@pytest.mark.timeout(20)
+def test_dynamic_generate_with_a_frozen_clock_raises_instead_of_hanging():
+    """An injected clock that never moves: the batch window never closes, so `generate` must say so
+    instead of spinning forever. (`step()` itself may idle: the caller moves the clock, as above.)"""
+    e = llm(batching="dynamic", max_num_seqs=4, batch_window_s=0.05, clock=lambda: 0.0)
+    with pytest.raises(RuntimeError, match="clock"):
+        e.generate([prompt(3), prompt(4)], sp(2), use_tqdm=False)
+
+
+def test_swap_with_prefix_caching_preempts_no_more_than_recompute():
+    """With a shared system prompt and too few KV blocks, swap and recompute hold the same blocks: a victim's
+    shared prefix stays cached either way, and a swapped-in victim shares it again instead of copying it into
+    fresh blocks (which would crowd out the others and force extra preemptions). So both modes preempt the same
+    requests at the same steps; only how the victim's KV comes back differs. Greedy tokens equal HF's."""
+    from llmso_lab.engine.hf_reference import hf_greedy
+
+    system = [(11 * i) % 250 + 3 for i in range(16)]
+    prompts = [system + [100 + i] * 6 for i in range(5)]
+    runs = {}
+    for mode in ("swap", "recompute"):
+        e = LLM(MODEL, block_size=4, max_model_len=40, num_kv_blocks=14, enable_prefix_caching=True,
+                preemption_mode=mode, swap_space_blocks=64, max_num_batched_tokens=64)
+        for p in prompts:
+            e.add_request(p, sp(8))
+        outs, traces = run(e)
+        runs[mode] = (outs, [(t.step, t.preempted) for t in traces if t.preempted], len(traces), e.stats())
+    (swap_outs, swap_preempted, swap_steps, s), (rec_outs, rec_preempted, rec_steps, _) = runs["swap"], runs["recompute"]
+    assert s["num_preemptions_swap"] > 0
+    assert swap_preempted == rec_preempted and swap_steps == rec_steps
+    for i, p in enumerate(prompts):
+        assert swap_outs[str(i)].outputs[0].token_ids == rec_outs[str(i)].outputs[0].token_ids == hf_greedy(MODEL, p, 8)

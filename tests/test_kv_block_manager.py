@@ -85,7 +85,7 @@ def test_only_full_and_computed_blocks_are_hashed():
     bm.allocate(s, 12)
     s.num_computed_tokens = 6            # a chunk: block 0 is full and computed, block 1 is not
     bm.cache_full_blocks(s)
-    assert len(s.block_hashes) == 1 and len(bm.hash_to_block_id) == 1
+    assert len(s.prefix_ids) == 1 and len(bm.hash_to_block_id) == 1
     assert bm.get_computed_blocks(seq(range(13), 1)) == s.block_table[:1]
     s.num_computed_tokens = 12
     bm.cache_full_blocks(s)
@@ -151,7 +151,7 @@ def test_swap_out_and_in():
     assert bm.can_swap_out(s)
     out = bm.swap_out(s)
     assert [d for d, _ in out] == device_blocks and bm.num_free_blocks == 6
-    assert sorted(s.block_table) == [0, 1, 2] and not bm.free_swap_ids
+    assert sorted(s.swap_table.values()) == [0, 1, 2] and s.block_table == [None] * 3 and not bm.free_swap_ids
     bm.check_invariants([], swapped=[s])
     assert bm.can_swap_in(s, 1)               # 3 blocks back, the 11th token fits in the 3rd
     back = bm.swap_in(s)
@@ -161,6 +161,8 @@ def test_swap_out_and_in():
     big = seq(range(20), 1)
     bm.free(s)
     bm.allocate(big, 20)
+    assert bm.can_swap_out(big)               # nothing computed yet: nothing to copy
+    big.num_computed_tokens = 20
     assert not bm.can_swap_out(big)           # 5 blocks > 3 swap blocks
 
 
@@ -201,3 +203,59 @@ def test_random_operations_keep_invariants(ops, num_blocks, caching):
         bm.free(s)
     assert bm.num_free_blocks == num_blocks
     bm.check_invariants([])
+
+
+@pytest.mark.parametrize("fake_hash", [lambda parent, tokens: 0, lambda parent, tokens: hash((parent, tokens)) % 3],
+                         ids=["constant", "three-values"])
+def test_a_hash_collision_never_reuses_a_wrong_block(monkeypatch, fake_hash):
+    """The hash only finds a candidate; a hit needs the same tokens after the same cached prefix (vLLM's
+    CVE-2025-25183 was a collision reusing another prefix's KV). Forced collisions: a block repeated at
+    several positions must not be served by the block computed at another position."""
+    import llmso_lab.kv.block_manager as block_manager
+
+    monkeypatch.setattr(block_manager, "hash_block", fake_hash)
+    bm = BlockManager(32, BS, enable_prefix_caching=True)
+    a = seq([1, 2, 3, 4] * 3 + [5, 6, 7, 8] + [9], 0)
+    compute(bm, a)
+    for tokens in ([1, 2, 3, 4] * 3 + [0], [1, 2, 3, 4, 5, 6, 7, 8, 0], [5, 6, 7, 8, 1, 2, 3, 4, 0],
+                   [1, 2, 3, 4] * 4 + [0]):
+        b = seq(tokens, 1)
+        hits = bm.get_computed_blocks(b)
+        for i, block_id in enumerate(hits):   # a hit is a block of `a` at the same position with the same prefix
+            assert block_id == a.block_table[i] and tokens[:(i + 1) * BS] == a.token_ids[:(i + 1) * BS], (tokens, hits)
+        compute(bm, b)
+        bm.check_invariants([a, b])
+        bm.free(b)
+
+
+def test_swap_keeps_shared_blocks_and_finds_cached_ones_again():
+    """Swap composes with prefix caching: a swap-out copies and frees only the blocks the sequence holds alone
+    (a shared prefix stays on the device, still referenced); a swap-in shares blocks that are still cached
+    instead of copying them into fresh ones, and re-caches the ones it had to copy."""
+    bm = BlockManager(8, BS, enable_prefix_caching=True, num_swap_blocks=8)
+    a = seq([1] * 8 + [2], 0)
+    compute(bm, a)                                   # caches [1]*4, [1]*4
+    b = seq([1] * 8 + [3, 4, 5, 6, 7], 1)
+    bm.allocate(b, 5, bm.get_computed_blocks(b))     # shares a's 2 blocks
+    b.num_computed_tokens = 13
+    bm.cache_full_blocks(b)                          # caches [3..6]; holds [7] alone
+    table, used = list(b.block_table), bm.num_used_blocks
+    copies = bm.swap_out(b)
+    assert [d for d, _ in copies] == table[2:]       # only b's own blocks are copied ...
+    assert bm.num_used_blocks == used - 2            # ... and freed
+    assert b.block_table[:2] == table[:2] and bm.blocks[table[0]].ref_count == 2
+    bm.check_invariants([a], swapped=[b])
+    back = bm.swap_in(b)
+    assert len(back) == 1 and b.block_table[:3] == table[:3]   # [3..6] found in the cache: shared, not copied
+    assert bm.num_used_blocks == used
+    bm.check_invariants([a, b])
+    # evicted while swapped out: copied back, and cached again under its old key
+    bm.swap_out(b)
+    filler = seq(range(100, 120), 2)
+    bm.allocate(filler, 20)                          # takes every free block, evicting b's cached [3..6]
+    bm.free(filler)
+    assert bm.can_swap_in(b) and len(bm.swap_in(b)) == 2
+    b.num_computed_tokens = b.num_tokens
+    again = seq([1] * 8 + [3, 4, 5, 6, 0], 3)
+    assert bm.get_computed_blocks(again) == b.block_table[:3]
+    bm.check_invariants([a, b])

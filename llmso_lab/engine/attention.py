@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llmso_lab.engine.decode_groups import GROUP_COST_BLOCKS, DecodeGroup, plan_decode_groups
+
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
@@ -37,42 +39,18 @@ class AttentionMetadata:
     context_lens_host: list[int]  # [B] host copy of context_lens, so the torch backend never syncs
 
 
-@dataclass(slots=True)
-class DecodeGroup:
-    rows: Tensor       # [b] int64: the group's rows among the step's decodes
-    blocks: Tensor     # [b * nb] int64: their first nb block ids, row after row (null-block padded)
-    S: int             # nb * block_size: keys gathered per row
-    ctx: list[int]     # [b] context length of each row
-
-
-def length_groups(lengths: list[int], group_cost: int) -> list[list[int]]:
-    """Split rows into groups of similar length: padding every row to its group's longest costs
-    rows * longest, and each group adds `group_cost`. Sorting by length and choosing the cuts by dynamic
-    programming minimises the total. Returns row indices, shortest group first; one group when padding is cheap."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    best, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
-    for j in range(1, len(order) + 1):           # best[j]: cheapest grouping of the j shortest rows
-        for i in range(j):                       # ... whose last group is rows i..j-1 of the sorted order
-            cost = best[i] + (j - i) * lengths[order[j - 1]] + group_cost
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], len(order)
-    while j:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
-
-
 class TorchAttentionBackend:
     """Reference backend: gather each sequence's cached blocks and run SDPA (exact math, fp32 softmax).
-    Decodes are batched in groups of similar context length, so that short sequences are not padded to the
-    longest one in the batch (the gather copies every padded key).
 
-    `plan(meta)` runs once per step, before the layers (FlashInfer's plan/run split): the gather indices and
-    masks, the same for every layer, are built on first use and reused by the other layers.
+    Decode rows are gathered in groups of similar context length (`decode_groups`, a speed-up: a short row
+    is not padded to the longest one in the batch); `decode_group_cost = None` gathers all of them as one
+    padded group, the plain reference. `plan(meta)` runs once per step, before the layers (FlashInfer's
+    plan/run split): the gather indices and masks, the same for every layer, are built on first use and
+    reused by the other layers.
     """
 
     name = "torch"
+    decode_group_cost: int | None = GROUP_COST_BLOCKS   # see decode_groups; None: one padded group
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -110,10 +88,10 @@ class TorchAttentionBackend:
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                 window: int | None) -> Tensor:
-        """Decodes in groups of similar context length (`length_groups`): each group gathers its rows' blocks,
-        padded to the group's longest context, and runs one SDPA. One group when the lengths are close."""
+        """Decodes, one query token each: gather + SDPA per group of rows (`_decode_group`)."""
         B = q.shape[0]
-        groups = self._cached("decode_groups", lambda: self._decode_groups(meta, B))
+        groups = self._cached("decode_groups", lambda: plan_decode_groups(
+            meta.block_tables[:B], meta.context_lens_host[:B], self.block_size, self.decode_group_cost))
         if len(groups) == 1:
             return self._decode_group(q, k_cache, v_cache, 0, groups[0], window)
         out = q.new_empty(q.shape)
@@ -124,6 +102,7 @@ class TorchAttentionBackend:
 
     def _decode_group(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, g: int, group: DecodeGroup,
                       window: int | None) -> Tensor:
+        """q [B, H, D] of the group's rows -> [B, H, D]: their blocks gathered to [B, Hkv, S, D], one SDPA."""
         B, G = q.shape[0], self.num_heads // self.num_kv_heads
         # index_select, not k_cache[tables]: on CPU advanced indexing is ~1000x slower here
         shape = (B, group.S, self.num_kv_heads, self.head_dim)
@@ -137,23 +116,6 @@ class TorchAttentionBackend:
         qg = q.reshape(B, self.num_kv_heads, G, self.head_dim)          # [B, Hkv, G, D]
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.reshape(B, self.num_heads, self.head_dim)
-
-    def _decode_groups(self, meta: AttentionMetadata, B: int) -> list[DecodeGroup]:
-        ctx, bs = meta.context_lens_host[:B], self.block_size
-        groups = []
-        split = length_groups([-(-c // bs) for c in ctx], self.GROUP_COST_BLOCKS)
-        for rows in split if len(split) > 1 else [list(range(B))]:   # one group: rows stay in batch order
-            nb = -(-max(ctx[r] for r in rows) // bs)
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=meta.block_tables.device)
-            blocks = meta.block_tables.index_select(0, rows_t)[:, :nb].reshape(-1).long()
-            groups.append(DecodeGroup(rows_t, blocks, nb * bs, [ctx[r] for r in rows]))
-        return groups
-
-    # One more group costs two gathers and an SDPA call per layer (~80 us on a 2-core CPU), about what
-    # gathering this many more blocks of padding costs (SmolLM2: 16 keys, 1.5 KB of K and V each per layer).
-    # On bench batching's workload 8 and 24 gave the same throughput within noise, 3-7% above never
-    # splitting. 0 = always split.
-    GROUP_COST_BLOCKS = 24
 
     @staticmethod
     def _decode_mask(ctx: list[int], S: int, window: int | None, device: torch.device) -> tuple[Tensor | None, slice | None]:

@@ -1,4 +1,5 @@
-"""EngineConfig: the engine's settings, checked up front, and the KV-cache sizing that depends on the model."""
+"""EngineConfig: the engine's settings (the keyword arguments of `LLM`), checked up front, and the KV-cache
+sizing that depends on the model. The scheduler and the model runner are built from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,9 +9,11 @@ import torch
 
 from llmso_lab.engine.attention import ATTENTION_BACKENDS
 from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block
-from llmso_lab.policies import POLICIES
-from llmso_lab.engine.scheduler import BATCHING_MODES, PREEMPTION_MODES
 from llmso_lab.kv.block_manager import cdiv
+from llmso_lab.policies import POLICIES
+
+BATCHING_MODES = ("static", "dynamic", "continuous")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(slots=True)

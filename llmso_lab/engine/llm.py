@@ -10,12 +10,10 @@ from llmso_lab.engine.config import EngineConfig
 from llmso_lab.engine.metrics import StepTrace
 from llmso_lab.engine.model_runner import ModelRunner
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
-from llmso_lab.engine.policy import SchedulingPolicy
 from llmso_lab.engine.sampler import Sampler
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.engine.scheduler import Scheduler, SchedulerOutput
 from llmso_lab.engine.sequence import Sequence
-from llmso_lab.kv.block_manager import BlockManager
 from llmso_lab.workloads import RequestMetrics
 
 Prompt = str | dict | list[int]
@@ -27,6 +25,10 @@ class LLM:
     `model` is a registry name ("smollm2-135m", "tiny-llama") or a Hugging Face PreTrainedModel.
     `num_kv_blocks=None` sizes the cache from `kv_cache_memory_bytes` (capped at what `max_num_seqs`
     sequences of `max_model_len` tokens can use). See `Scheduler` for what the batching modes mean.
+
+    Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
+    `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
+    can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_kv_blocks: int | None = None,
@@ -38,26 +40,24 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
-            block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, batching, batch_window_s,
-            enable_chunked_prefill, enable_prefix_caching, scheduling_policy, preemption_mode, swap_space_blocks,
-            attention_backend, seed, kv_cache_memory_bytes, sjf_predictor, sjf_aging)
+            block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, batching=batching,
+            batch_window_s=batch_window_s, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+            preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
+            seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.dtype)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
-        self.block_manager = BlockManager(c.num_kv_blocks, block_size, enable_prefix_caching, c.swap_space_blocks)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        self.scheduler = Scheduler(
-            self.block_manager, SchedulingPolicy(scheduling_policy, sjf_predictor, sjf_aging), batching=batching,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=c.max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
-            batch_window_s=batch_window_s, eos_token_ids=self.eos_token_ids, clock=clock)
-        self.model_runner = ModelRunner(self.model, block_size=block_size, num_kv_blocks=c.num_kv_blocks,
-                                        num_swap_blocks=c.swap_space_blocks, max_model_len=c.max_model_len,
-                                        attention_backend=attention_backend)
+        self.scheduler = Scheduler(c, self.eos_token_ids, clock)
+        self.block_manager = self.scheduler.block_manager
+        self.model_runner = ModelRunner(self.model, c)
         self.sampler = Sampler()
         self.num_requests = self.num_steps = self.num_finished = 0
         self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
-        self.busy_time_s, self.peak_blocks_used, self.start_time = 0.0, 0, None
+        self.busy_time_s, self.peak_blocks_used = 0.0, 0
+        self.undelivered: list[RequestOutput] = []   # finished inside generate() but not its own: for the next step()
 
     # ---- requests ----------------------------------------------------------------------------
     def _validate(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[list[int], str | None]:
@@ -100,7 +100,6 @@ class LLM:
         self.num_requests += 1
         seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + index) % (1 << 63)
         now = self.clock()
-        self.start_time = self.start_time or now
         seq = Sequence(index, str(index), ids, params, now if arrival_time is None else arrival_time, priority,
                        prompt=text, generator=torch.Generator().manual_seed(seed))
         self.scheduler.add(seq)
@@ -108,11 +107,18 @@ class LLM:
         return seq.request_id
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Is a request still queued or running, or finished but its output not yet returned by `step()`?"""
+        return self.scheduler.has_unfinished() or bool(self.undelivered)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> tuple[list[RequestOutput], StepTrace]:
-        """One scheduler iteration: the lecture's four steps. Returns the requests retired in step 1."""
+        """One scheduler iteration: the lecture's four steps. Returns the requests retired in step 1
+        (after any that finished inside an earlier `generate` call; see there) and the step's trace."""
+        earlier, self.undelivered = self.undelivered, []
+        finished, trace = self._step()
+        return earlier + finished, trace
+
+    def _step(self) -> tuple[list[RequestOutput], StepTrace]:
         trace = StepTrace(step=self.num_steps, start_time=self.clock())
         # 1. retire sequences that hit EOS / a stop id / max_tokens last step; their KV blocks go back
         retired = self.scheduler.retire()
@@ -137,7 +143,7 @@ class LLM:
         self.model_runner.swap_in(out.blocks_to_swap_in)
         if not out.scheduled:
             return
-        logits = self.model_runner.execute(out.scheduled)    # [rows, V]: sampling sequences (+ idle static rows)
+        logits = self.model_runner.execute(out)              # [rows, V]: sampling sequences (+ idle static rows)
         rows = [item for item in out.scheduled if item.sample or item.idle]
         sampling = [(r, item.seq) for r, item in enumerate(rows) if item.sample]
         if len(sampling) < len(rows):
@@ -179,7 +185,9 @@ class LLM:
     # ---- offline API -------------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: list[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run `prompts` to completion; outputs in prompt order. All inputs are checked before any is queued."""
+        """Run `prompts` to completion; returns their outputs, in prompt order. All inputs are checked before any
+        is queued. Requests queued earlier with `add_request` are served alongside; those that finish here are
+        not in the result (vLLM's `generate` would mix them in) but kept: the next `step()` returns them."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -197,18 +205,26 @@ class LLM:
         with tqdm(total=n, desc="generate", disable=not use_tqdm) as bar:
             last_progress = self.clock()
             while pending:
-                finished, trace = self.step()
+                finished, trace = self._step()
                 for o in finished:
                     if o.request_id in pending:
                         pending.discard(o.request_id)
                         results[o.request_id] = o
                         bar.update(1)
+                    else:
+                        self.undelivered.append(o)
                 if trace.num_batched_tokens or finished:
                     last_progress = self.clock()
-                elif self.clock() - last_progress > 30 + self.scheduler.batch_window_s:
+                elif self.clock() - last_progress > 30 + self.config.batch_window_s:
                     raise RuntimeError("the scheduler made no progress for 30 s; this is a bug, please report it")
-                else:
-                    time.sleep(0.001)   # dynamic batching: waiting for the batch window to close
+                else:   # dynamic batching: waiting for the batch window to close
+                    before = self.clock()
+                    time.sleep(0.001)
+                    if self.clock() == before:
+                        raise RuntimeError(
+                            f"generate is waiting for the dynamic batch window (batch_window_s="
+                            f"{self.config.batch_window_s}) to close, but the engine clock did not advance during a "
+                            "1 ms sleep: pass a clock that advances, or call step() yourself and move the clock")
         return [results[i] for i in ids]
 
     def stats(self) -> dict:

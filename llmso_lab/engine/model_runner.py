@@ -10,13 +10,17 @@ is the null block that padding tokens write to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from llmso_lab.engine.attention import AttentionMetadata, make_attention_backend
-from llmso_lab.engine.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from llmso_lab.engine.config import EngineConfig
+    from llmso_lab.engine.scheduler import SchedulerOutput
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -94,16 +98,18 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model, *, block_size: int, num_kv_blocks: int, num_swap_blocks: int = 0,
-                 max_model_len: int, attention_backend: str = "torch") -> None:
-        cfg = model.config
+    """Step 4 for one model: its weights, the paged KV cache and swap pool sized by the (resolved) `EngineConfig`."""
+
+    def __init__(self, model, config: EngineConfig) -> None:
+        cfg, block_size, num_kv_blocks = model.config, config.block_size, config.num_kv_blocks
+        max_model_len = config.max_model_len
         check_model_config(cfg)
         self.num_layers, self.num_heads, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps, self.vocab_size = cfg.rms_norm_eps, cfg.vocab_size
         self.dtype, self.device = model.get_input_embeddings().weight.dtype, model.get_input_embeddings().weight.device
         self.block_size, self.null_block = block_size, num_kv_blocks
-        self.backend = make_attention_backend(attention_backend, num_heads=self.num_heads,
+        self.backend = make_attention_backend(config.attention_backend, num_heads=self.num_heads,
                                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=block_size)
         windows = sliding_windows(cfg, max_model_len)
         with torch.no_grad():
@@ -118,7 +124,7 @@ class ModelRunner:
         shape = (self.num_layers, num_kv_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
         self.k_cache, self.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
-        swap_shape = (self.num_layers, num_swap_blocks, block_size, self.num_kv_heads, self.head_dim)
+        swap_shape = (self.num_layers, config.swap_space_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
 
     @staticmethod
@@ -137,12 +143,12 @@ class ModelRunner:
         return [m for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [self.lm_head]
 
     # ---- batch construction ------------------------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """Flatten the scheduled sequences into one varlen batch (one-token sequences first)."""
+    def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """Flatten the scheduled sequences into one varlen batch (the scheduler put the one-token rows first)."""
         bs, null_slot = self.block_size, self.null_block * self.block_size
         ids, pos, slots, logit_rows = [], [], [], []
         starts, qlens, ctxs, tables = [], [], [], []
-        for item in scheduled:
+        for item in out.scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
             if item.idle:   # static batching: a finished row is still computed, on a padding token
@@ -163,7 +169,7 @@ class ModelRunner:
             qlens.append(item.num_query_tokens)
             ctxs.append(ctx)
             tables.append(seq.block_table[:-(-ctx // bs)])
-        num_decodes = next((i for i, q in enumerate(qlens) if q != 1), len(qlens))
+        assert all(q == 1 for q in qlens[:out.num_decodes]), "the decode rows must come first"
         width = max(map(len, tables))
         i32, i64, dev = torch.int32, torch.int64, self.device
         block_tables = torch.tensor([t + [self.null_block] * (width - len(t)) for t in tables], dtype=i32, device=dev)
@@ -172,15 +178,15 @@ class ModelRunner:
             context_lens=torch.tensor(ctxs, dtype=i32, device=dev),
             cu_seqlens_q=torch.tensor([0] + qlens, dtype=i32, device=dev).cumsum(0, dtype=i32),
             cu_seqlens_k=torch.tensor([0] + ctxs, dtype=i32, device=dev).cumsum(0, dtype=i32),
-            num_decodes=num_decodes, max_seqlen_q=max(qlens), max_seqlen_k=max(ctxs),
+            num_decodes=out.num_decodes, max_seqlen_q=max(qlens), max_seqlen_k=max(ctxs),
             start_positions=starts, query_lens=qlens, context_lens_host=ctxs)
         return (torch.tensor(ids, dtype=i64, device=dev), torch.tensor(pos, dtype=i64, device=dev), meta,
                 torch.tensor(logit_rows, dtype=i64, device=dev))
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> Tensor:
+    def execute(self, out: SchedulerOutput) -> Tensor:
         """One forward over the scheduled batch. Returns fp32 logits [N, V], one row per sampling sequence
-        (and per idle static row), in the order of `scheduled`."""
-        return self.forward(*self.prepare(scheduled))
+        (and per idle static row), in the order of `out.scheduled`."""
+        return self.forward(*self.prepare(out))
 
     # ---- the forward -------------------------------------------------------------------------
     @torch.inference_mode()

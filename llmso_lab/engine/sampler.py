@@ -1,5 +1,10 @@
-"""Sampler: greedy, temperature, top-k, top-p. Each request draws from its own `torch.Generator`, so a
-seeded request's tokens do not depend on which other requests share its batch."""
+"""Sampler: greedy, temperature, top-k, top-p.
+
+Each request draws from its own `torch.Generator` (one draw per sampled token), so a request's random draws
+do not depend on which other requests share its batch. Its logits can: the batch's shape changes the order
+of floating-point sums (decode length groups, BLAS blocking, prefill chunks), so the same seed can give a
+different token in a different batch when two tokens nearly tie (greedy) or a draw lands at the edge between
+two tokens' probability mass (sampling). The tests' tiny fp32 models show no such near-ties."""
 from __future__ import annotations
 
 import torch

@@ -9,7 +9,8 @@ class SamplingParams:
     """Per-request decoding settings.
 
     temperature 0 means greedy (argmax). top_k=-1 and top_p=1.0 switch those filters off.
-    seed gives the request its own random generator, so its samples do not depend on the rest of the batch.
+    seed gives the request its own random generator, so its random draws do not depend on the rest of the batch
+    (its logits may, at near-ties: see `llmso_lab.engine.sampler`).
     """
 
     max_tokens: int = 64

@@ -10,22 +10,26 @@ Static / dynamic batching form a batch only when the previous one has completely
 prompts are prefilled together, padded to the longest, then decoded in lock-step; a finished row keeps its
 slot and is still computed (idle) until the whole batch is done (Hugging Face `generate`,
 FasterTransformer). Dynamic waits to form a batch until it is full or the oldest request has waited
-`batch_window_s`. These modes reserve each row's KV for prompt + max_tokens up front, so they never
-preempt; the token budget and chunked prefill are iteration-level knobs and do not apply to them.
+`batch_window_s`. Like those systems, a batch reserves a rectangular KV cache up front: every row holds
+blocks for the batch's longest prompt + its largest max_tokens (`llmso_lab.batching.static_batch`), so
+these modes never preempt; the token budget and chunked prefill are iteration-level knobs and do not apply.
+
+The rules shared with the simulator (`llmso_lab.sim`) live in `llmso_lab.batching` (token budget, what a
+decode is, the static reservation) and `llmso_lab.policies` (order and victims).
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from llmso_lab.batching import prefill_chunk, static_batch
 from llmso_lab.engine.policy import SchedulingPolicy
 from llmso_lab.engine.sequence import Sequence, SequenceStatus
 from llmso_lab.kv.block_manager import BlockManager
 
-BATCHING_MODES = ("static", "dynamic", "continuous")
-PREEMPTION_MODES = ("recompute", "swap")
+if TYPE_CHECKING:
+    from llmso_lab.engine.config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -47,7 +51,8 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)   # one-token (decode) items first, then prefills
+    scheduled: list[ScheduledSeq] = field(default_factory=list)   # the num_decodes one-token items first, then prefills
+    num_decodes: int = 0   # the batch layout the model runner and the attention backends rely on
     preempted: list[Sequence] = field(default_factory=list)
     swapped_in: list[Sequence] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, swap block)
@@ -59,27 +64,23 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, policy: SchedulingPolicy, *, batching: str = "continuous",
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
-                 batch_window_s: float = 0.05, eos_token_ids: frozenset[int] = frozenset(),
+    """Steps 1-3 over the engine's queues. Built from the `EngineConfig`; owns the block manager and the policy."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset(),
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        assert batching in BATCHING_MODES and preemption_mode in PREEMPTION_MODES
-        self.bm, self.policy, self.batching = block_manager, policy, batching
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.max_model_len, self.enable_chunked_prefill = max_model_len, enable_chunked_prefill
-        self.preemption_mode, self.batch_window_s = preemption_mode, batch_window_s
-        self.eos_token_ids, self.clock = eos_token_ids, clock
-        self.waiting: deque[Sequence] = deque()   # arrival order; recompute-preempted go to the front
+        assert config.num_kv_blocks is not None and config.max_model_len is not None, "call config.resolve first"
+        self.config, self.eos_token_ids, self.clock = config, eos_token_ids, clock
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.swap_space_blocks)
+        self.policy = SchedulingPolicy(config.scheduling_policy, config.sjf_predictor, config.sjf_aging)
+        # Queue order carries no meaning: every read orders the queue by the policy (`policy.order`).
+        self.waiting: list[Sequence] = []   # new, or preempted by recompute
         self.running: list[Sequence] = []
-        self.swapped: deque[Sequence] = deque()
+        self.swapped: list[Sequence] = []   # preempted by swap
         self.num_preemptions_total = self.num_recomputes = self.num_swaps = 0
 
     def add(self, seq: Sequence) -> None:
-        i = len(self.waiting)   # keep the queue sorted by arrival time (usually: append at the end)
-        while i > 0 and self.waiting[i - 1].arrival_time > seq.arrival_time:
-            i -= 1
-        self.waiting.insert(i, seq)
+        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -87,12 +88,12 @@ class Scheduler:
     # ---- step 1: retire ------------------------------------------------------------------------
     def retire(self) -> list[Sequence]:
         """Remove sequences that finished in the previous step and return their KV blocks."""
-        if self.batching != "continuous" and not all(s.is_finished for s in self.running):
+        if self.config.batching != "continuous" and not all(s.is_finished for s in self.running):
             return []   # a static batch keeps every slot until its longest row is done
         done = [s for s in self.running if s.is_finished]
         now = self.clock()
         for seq in done:
-            self.bm.free(seq)
+            self.block_manager.free(seq)
             self.running.remove(seq)
             seq.finish_time = now
             self.policy.on_finish(seq)
@@ -101,7 +102,7 @@ class Scheduler:
     # ---- step 3: admit ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         now, out = self.clock(), SchedulerOutput()
-        if self.batching == "continuous":
+        if self.config.batching == "continuous":
             self._schedule_continuous(out, now)
         else:
             self._schedule_static(out, now)
@@ -110,58 +111,58 @@ class Scheduler:
                 item.seq.first_scheduled_time = now
         return out
 
-    def _num_new_tokens(self, seq: Sequence, budget: int, num_computed: int | None = None) -> int:
-        remaining = seq.num_tokens - (seq.num_computed_tokens if num_computed is None else num_computed)
-        if self.enable_chunked_prefill:
-            return max(0, min(remaining, budget))
-        return remaining if remaining <= budget else 0   # the whole prompt or nothing
+    def _chunk(self, remaining: int, budget: int) -> int:
+        return prefill_chunk(remaining, budget, self.config.enable_chunked_prefill)
 
     def _schedule_continuous(self, out: SchedulerOutput, now: float) -> None:
-        budget, sched = self.max_num_batched_tokens, {}   # seq_id -> ScheduledSeq, in scheduling order
+        bm, max_num_seqs = self.block_manager, self.config.max_num_seqs
+        budget, sched = self.config.max_num_batched_tokens, {}   # seq_id -> ScheduledSeq, in scheduling order
         # (a) running sequences, decodes first: each needs KV room for its next token(s)
         decodes = [s for s in self.running if not s.is_prefill]
         prefills = [s for s in self.running if s.is_prefill]
         for seq in self.policy.order(decodes, now) + self.policy.order(prefills, now):
             if seq.status is not SequenceStatus.RUNNING:
                 continue   # preempted as a victim earlier in this loop
-            n = self._num_new_tokens(seq, budget)
+            n = self._chunk(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 continue
-            while not self.bm.may_append(seq, n):
+            while not bm.may_append(seq, n):
                 victim = self.policy.victim(self.running, now)
                 budget += self._preempt(victim, sched, out)
                 if victim is seq:
                     break
             else:
-                self.bm.append_slot(seq, n)
+                bm.append_slot(seq, n)
                 sched[seq.seq_id] = ScheduledSeq(seq, n)
                 budget -= n
-        # (b) bring back swapped sequences, then admit waiting ones (not in a step that had to preempt)
+        # (b) bring back swapped sequences, then admit waiting ones; neither in a step that had to preempt,
+        # and no new request while a swapped one is still out (vLLM: swapped sequences come back first)
         if not out.preempted:
             for seq in self.policy.order(self.swapped, now):
-                n = self._num_new_tokens(seq, budget)
-                if len(self.running) >= self.max_num_seqs or n == 0 or not self.bm.can_swap_in(seq, n):
+                n = self._chunk(seq.num_uncomputed_tokens, budget)
+                if len(self.running) >= max_num_seqs or n == 0 or not bm.can_swap_in(seq, n):
                     break
                 self.swapped.remove(seq)
-                out.blocks_to_swap_in += self.bm.swap_in(seq)
-                self.bm.append_slot(seq, n)
+                out.blocks_to_swap_in += bm.swap_in(seq)
+                bm.append_slot(seq, n)
                 self._start_running(seq, n, sched)
                 out.swapped_in.append(seq)
                 budget -= n
         if not out.preempted and not self.swapped:
             for seq in self.policy.order((s for s in self.waiting if s.arrival_time <= now), now):
-                if len(self.running) >= self.max_num_seqs:
+                if len(self.running) >= max_num_seqs:
                     break
-                computed = self.bm.get_computed_blocks(seq)   # prefix-cache hits
-                n = self._num_new_tokens(seq, budget, len(computed) * self.bm.block_size)
-                if n == 0 or not self.bm.can_allocate(seq, n, computed):
+                computed = bm.get_computed_blocks(seq)   # prefix-cache hits
+                n = self._chunk(seq.num_tokens - len(computed) * bm.block_size, budget)
+                if n == 0 or not bm.can_allocate(seq, n, computed):
                     break
                 self.waiting.remove(seq)
-                self.bm.allocate(seq, n, computed)
+                bm.allocate(seq, n, computed)
                 self._start_running(seq, n, sched)
                 budget -= n
         out.scheduled = sorted(sched.values(), key=lambda item: item.num_query_tokens > 1)   # decodes first
-        assert out.num_batched_tokens <= self.max_num_batched_tokens
+        out.num_decodes = sum(item.num_query_tokens == 1 for item in out.scheduled)
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
 
     def _start_running(self, seq: Sequence, n: int, sched: dict[int, ScheduledSeq]) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -175,44 +176,45 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         out.preempted.append(victim)
-        if self.preemption_mode == "swap" and self.bm.can_swap_out(victim):
-            out.blocks_to_swap_out += self.bm.swap_out(victim)   # KV is kept, in the CPU pool
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(victim):
+            out.blocks_to_swap_out += self.block_manager.swap_out(victim)   # KV is kept, in the CPU pool
             victim.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(victim)
+            self.swapped.append(victim)
             self.num_swaps += 1
         else:   # recompute (also the fallback when the swap pool is full): drop the KV, prefill again later
-            self.bm.free(victim)
+            self.block_manager.free(victim)
             victim.num_computed_tokens = 0
             victim.status = SequenceStatus.WAITING
-            self.waiting.appendleft(victim)
+            self.waiting.append(victim)
             self.num_recomputes += 1
         return item.num_new_tokens if item else 0
 
     def _schedule_static(self, out: SchedulerOutput, now: float) -> None:
-        if not self.running:   # the previous batch is retired: form the next one
+        bm, cfg = self.block_manager, self.config
+        if not self.running:   # the previous batch is retired (every block is free): form the next one
             arrived = [s for s in self.policy.order(self.waiting, now) if s.arrival_time <= now]
             if not arrived:
                 return
-            if (self.batching == "dynamic" and len(arrived) < self.max_num_seqs
-                    and now - min(s.arrival_time for s in arrived) < self.batch_window_s):
+            if (cfg.batching == "dynamic" and len(arrived) < cfg.max_num_seqs
+                    and now - min(s.arrival_time for s in arrived) < cfg.batch_window_s):
                 return   # wait for the batch to fill or for the window to close
-            for seq in arrived[:self.max_num_seqs]:
-                computed = self.bm.get_computed_blocks(seq)
-                reserve = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len)
-                reserve -= len(computed) * self.bm.block_size   # KV for the whole request, reserved now
-                if not self.bm.can_allocate(seq, reserve, computed):
-                    break
+            rows, reserve = static_batch([(s.num_prompt_tokens, s.sampling_params.max_tokens) for s in arrived],
+                                         cfg.max_num_seqs, bm.num_free_blocks, bm.block_size, cfg.max_model_len)
+            for seq in arrived[:rows]:   # each row's KV for the whole rectangle, reserved now (less its cached prefix)
+                computed = bm.get_computed_blocks(seq)
                 self.waiting.remove(seq)
-                self.bm.allocate(seq, reserve, computed)
+                bm.allocate(seq, reserve - len(computed) * bm.block_size, computed)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
         if any(s.is_prefill for s in self.running):   # first step of the batch: padded prefill
             longest = max(s.num_uncomputed_tokens for s in self.running)
             out.scheduled = [ScheduledSeq(s, s.num_uncomputed_tokens, longest - s.num_uncomputed_tokens)
                              for s in self.running]
+            out.num_decodes = len(self.running) if longest == 1 else 0
         else:                                          # lock-step decode; finished rows idle
             out.scheduled = [ScheduledSeq(s, 0, idle=True) if s.is_finished else ScheduledSeq(s, 1)
                              for s in self.running]
+            out.num_decodes = len(out.scheduled)
 
     # ---- after the forward -----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[int, int], now: float) -> None:
@@ -222,7 +224,7 @@ class Scheduler:
                 continue
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.bm.cache_full_blocks(seq)
+            self.block_manager.cache_full_blocks(seq)
             if seq.seq_id in sampled:
                 seq.append_token(sampled[seq.seq_id], now)
                 self._check_stop(seq)
@@ -231,7 +233,7 @@ class Scheduler:
         sp, last = seq.sampling_params, seq.token_ids[-1]
         if (not sp.ignore_eos and last in self.eos_token_ids) or (sp.stop_token_ids and last in sp.stop_token_ids):
             seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
@@ -240,4 +242,4 @@ class Scheduler:
         assert all(s.status is SequenceStatus.RUNNING or (s.is_finished and s.block_table) for s in self.running)
         assert all(s.status is SequenceStatus.WAITING and not s.block_table for s in self.waiting)
         assert all(s.status is SequenceStatus.SWAPPED for s in self.swapped)
-        self.bm.check_invariants(holders=self.running, swapped=self.swapped)
+        self.block_manager.check_invariants(holders=self.running, swapped=self.swapped)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmso_lab.batching import is_decode
 from llmso_lab.engine.sampling_params import SamplingParams
 
 
@@ -36,8 +37,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     num_cached_tokens: int = 0         # of the prompt, found by prefix caching at the last admission
-    block_table: list[int] = field(default_factory=list)    # KV block ids (CPU swap ids while SWAPPED)
-    block_hashes: list[int] = field(default_factory=list)   # hash chain of the full computed blocks
+    block_table: list[int | None] = field(default_factory=list)   # KV block ids (None: in the CPU pool, swap_table)
+    swap_table: dict[int, int] = field(default_factory=dict)      # while SWAPPED: block index -> CPU swap block
+    prefix_ids: list[int | None] = field(default_factory=list)   # prefix cache: id of the prefix each full block ends
     finish_reason: str | None = None   # "stop" | "length"
     num_preemptions: int = 0
     predicted_len: float = 0.0         # SJF: predicted output tokens still to generate (set by the policy)
@@ -78,7 +80,7 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         """True while (re)computing a prompt: nothing sampled yet, or the KV was dropped by preemption."""
-        return self.num_output_tokens == 0 or self.num_computed_tokens < len(self.token_ids) - 1
+        return not is_decode(len(self.token_ids), self.num_computed_tokens, self.num_output_tokens)
 
     @property
     def is_finished(self) -> bool:

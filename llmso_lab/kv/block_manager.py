@@ -1,4 +1,4 @@
-"""Paged KV block manager: ref-counted blocks, an LRU free list, prefix caching by hash chain, CPU swap.
+"""Paged KV block manager: ref-counted blocks, an LRU free list, exact prefix caching, CPU swap.
 
 A block holds the K/V of `block_size` consecutive tokens of one sequence; a sequence's `block_table` lists
 its block ids in order, so token position p lives in slot `block_table[p // block_size] * block_size +
@@ -7,16 +7,22 @@ p % block_size` of the paged cache `[num_blocks, block_size, Hkv, D]`. vLLM's ve
 - `can_allocate` / `allocate`: admit a waiting sequence (reusing cached prefix blocks when possible);
 - `may_append` / `append_slot`: grow a running sequence by the tokens it computes this step;
 - `free`: return a finished or preempted sequence's blocks;
-- `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back.
+- `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back. Swap composes
+  with prefix caching: blocks shared with other sequences stay on the device (still referenced: copying them
+  would free nothing), and at swap-in a block still in the prefix cache is shared again instead of copied.
 
-Prefix caching: once a FULL block's K/V is computed, it gets `hash((parent block's hash, its token ids))`,
-a name for the whole prefix up to the end of that block. A later sequence whose tokens start with the same
-blocks shares them (ref_count += 1) instead of recomputing them. A freed block keeps its hash and stays
-in the free list, still reusable on a hit, until an allocation takes it (LRU eviction: the free list is
-ordered least recently freed first, and blocks without a hash are put at its front so they go first).
+Prefix caching: once a FULL block's K/V is computed, it is cached under the name of the prefix before it
+(`parent_id`, a number given to each cached prefix and never reused) and its own token ids. A later sequence
+whose tokens start with the same blocks shares them (ref_count += 1) instead of recomputing them. A hit must
+match that key exactly: `hash_block` only says where to look, so a hash collision costs a miss, never a block
+computed after another prefix (vLLM's CVE-2025-25183); by induction over the blocks a hit is the exact prefix.
+A freed block keeps its key and stays in the free list, still reusable on a hit, until an allocation takes it
+(LRU eviction: the free list is ordered least recently freed first, and blocks without a key are put at its
+front so they go first).
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence as Seq
@@ -29,17 +35,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes."""
-    return hash((parent_hash, token_ids))
+ROOT = 0   # the prefix id before a sequence's first block; cached prefixes are numbered from 1
+
+
+def hash_block(parent_id: int, token_ids: tuple[int, ...]) -> int:
+    """Where a full block sits in the prefix cache: a hash of its parent prefix's id and its token ids.
+    Different blocks may collide; a hit is decided by the exact key (see `BlockManager._lookup`)."""
+    return hash((parent_id, token_ids))
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None            # set when the block is full and computed (prefix caching)
-    token_ids: tuple[int, ...] = ()    # its tokens, checked on a hit to rule out hash collisions
+    hash: int | None = None            # set when the block is full, computed and cached (prefix caching)
+    parent_id: int = ROOT              # the cached prefix before it ...
+    token_ids: tuple[int, ...] = ()    # ... and its tokens: the exact key a hit must match
+    prefix_id: int | None = None       # the name of the prefix it ends (its children's parent_id); never reused
 
 
 class BlockManager:
@@ -51,6 +63,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = reuse first
         self.hash_to_block_id: dict[int, int] = {}
+        self.next_prefix_id = itertools.count(ROOT + 1)
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_ids: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.num_queried_tokens = 0    # prefix-cache statistics, in tokens, counted at admission
@@ -84,12 +97,18 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed first
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"block {block_id} on the free list has ref_count {block.ref_count}"
-        if block.hash is not None:   # evict the prefix it cached
+        if block.hash is not None:   # evict the prefix it cached; its prefix id is never given out again
             del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.parent_id, block.token_ids, block.prefix_id = None, ROOT, (), None
             self.num_evictions += 1
         block.ref_count = 1
         return block_id
+
+    def _share(self, block_id: int) -> None:
+        """One more holder of a cached block (it leaves the free list if nobody held it)."""
+        if self.blocks[block_id].ref_count == 0:
+            del self.free_block_ids[block_id]
+        self.blocks[block_id].ref_count += 1
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -99,6 +118,36 @@ class BlockManager:
             self.free_block_ids[block_id] = None                      # most recently used end
             if block.hash is None:                                    # caches nothing: reuse it first
                 self.free_block_ids.move_to_end(block_id, last=False)
+
+    def _lookup(self, parent_id: int, token_ids: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly `token_ids` after the prefix `parent_id`, or None."""
+        block_id = self.hash_to_block_id.get(hash_block(parent_id, token_ids))
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block_id if block.parent_id == parent_id and block.token_ids == token_ids else None   # else: a collision
+
+    def _cache_block(self, block_id: int, parent_id: int, token_ids: tuple[int, ...],
+                     prefix_id: int | None = None) -> int | None:
+        """Cache a full computed block (`token_ids` after prefix `parent_id`). Returns the id of the prefix it
+        ends: its own new one (or `prefix_id`, the name this very content had before: a swap-in), or that of an
+        equal block already cached (this one then stays private), or None when another block holds its hash
+        (a collision: the prefix goes unnamed, its children uncached)."""
+        same = self._lookup(parent_id, token_ids)
+        if same is not None:
+            return self.blocks[same].prefix_id
+        h = hash_block(parent_id, token_ids)
+        if h in self.hash_to_block_id:
+            return None
+        block = self.blocks[block_id]
+        assert block.hash is None, f"block {block_id} is already cached under another key"
+        block.hash, block.parent_id, block.token_ids = h, parent_id, token_ids
+        block.prefix_id = prefix_id if prefix_id is not None else next(self.next_prefix_id)
+        self.hash_to_block_id[h] = block_id
+        return block.prefix_id
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
@@ -112,15 +161,13 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        bs, hits, parent = self.block_size, [], None
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, tokens)
-            block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        hits, parent = [], ROOT
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self._lookup(parent, self._block_tokens(seq, i))
+            if block_id is None:
                 break
             hits.append(block_id)
-            parent = h
+            parent = self.blocks[block_id].prefix_id
         return hits
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> bool:
@@ -134,12 +181,9 @@ class BlockManager:
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         assert self.can_allocate(seq, num_new_tokens, computed_blocks)
         for block_id in computed_blocks:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_ids[block_id]
-            block.ref_count += 1
+            self._share(block_id)
             seq.block_table.append(block_id)
-            seq.block_hashes.append(block.hash)
+            seq.prefix_ids.append(self.blocks[block_id].prefix_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks) * self.block_size
         if self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
@@ -158,65 +202,105 @@ class BlockManager:
         seq.block_table.extend(self._take_free_block() for _ in range(needed))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hash each block of `seq` that is now full and computed, so later sequences can share it."""
+        """Cache each block of `seq` that is now full and computed, so later sequences can share it."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
-            seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.hash_to_block_id:   # a duplicate stays private
-                block.hash, block.token_ids = h, tokens
-                self.hash_to_block_id[h] = block.block_id
+        for i in range(len(seq.prefix_ids), seq.num_computed_tokens // self.block_size):
+            parent = seq.prefix_ids[i - 1] if i else ROOT
+            seq.prefix_ids.append(None if parent is None else
+                                  self._cache_block(seq.block_table[i], parent, self._block_tokens(seq, i)))
 
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks. Last blocks first, so the prefix blocks stay cached longest."""
+        assert not seq.swap_table, "swap the sequence in first"
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table.clear()
-        seq.block_hashes.clear()
+        seq.prefix_ids.clear()
 
     # ---- swapping (preemption_mode="swap") ----------------------------------------------------
+    def _blocks_to_copy(self, seq: Sequence) -> list[int]:
+        """Indices of the blocks a swap-out copies: those with computed K/V that `seq` holds alone."""
+        num_with_kv = cdiv(seq.num_computed_tokens, self.block_size)
+        return [i for i, block_id in enumerate(seq.block_table[:num_with_kv]) if self.blocks[block_id].ref_count == 1]
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= len(self.free_swap_ids)
+        return len(self._blocks_to_copy(seq)) <= len(self.free_swap_ids)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move `seq` to the CPU pool. Returns (device block, swap block) copies to do before the next forward."""
+        """Preempt `seq` by swap: the blocks it holds alone are copied to the CPU pool and released (a cached one
+        stays in the prefix cache until evicted); blocks it shares stay on the device, still referenced; blocks
+        past its computed tokens hold no K/V yet and are just released. `block_table[i]` becomes None for a block
+        now in the CPU pool at `swap_table[i]`. Returns the (device block, swap block) copies to do before the
+        next forward."""
         assert self.can_swap_out(seq)
-        mapping = [(block_id, self.free_swap_ids.pop()) for block_id in seq.block_table]
-        for block_id in reversed(seq.block_table):
+        copied, num_with_kv = set(self._blocks_to_copy(seq)), cdiv(seq.num_computed_tokens, self.block_size)
+        released = [b for i, b in enumerate(seq.block_table) if i in copied or i >= num_with_kv]
+        copies = []
+        for i in sorted(copied):
+            seq.swap_table[i] = self.free_swap_ids.pop()
+            copies.append((seq.block_table[i], seq.swap_table[i]))
+            seq.block_table[i] = None
+        del seq.block_table[num_with_kv:]
+        for block_id in reversed(released):   # last blocks first, as in free
             self._release(block_id)
-        seq.block_table = [swap_id for _, swap_id in mapping]
-        return mapping
+        return copies
+
+    def _cached_copy(self, seq: Sequence, i: int) -> int | None:
+        """A block in the prefix cache equal to `seq`'s block i (named by the prefix ids `seq` kept), or None."""
+        if i >= len(seq.prefix_ids) or seq.prefix_ids[i] is None:
+            return None
+        return self._lookup(seq.prefix_ids[i - 1] if i else ROOT, self._block_tokens(seq, i))
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        """Are there free blocks for `seq`'s swapped blocks not found in the prefix cache, for the cached ones
+        nobody holds now, and for `num_new_tokens` more tokens?"""
+        found = [self._cached_copy(seq, i) for i in seq.swap_table]
+        needed = sum(1 for b in found if b is None or self.blocks[b].ref_count == 0)
         extra = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
-        return len(seq.block_table) + extra <= self.num_free_blocks
+        return needed + extra <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring `seq` back from the CPU pool. Returns (swap block, device block) copies."""
-        assert len(seq.block_table) <= self.num_free_blocks
-        mapping = [(swap_id, self._take_free_block()) for swap_id in seq.block_table]
-        self.free_swap_ids.extend(swap_id for swap_id, _ in reversed(mapping))
-        seq.block_table = [block_id for _, block_id in mapping]
-        seq.block_hashes.clear()   # re-hashed (and re-shared) by cache_full_blocks after its next step
-        return mapping
+        """Bring `seq` back. A swapped block still in the prefix cache is shared again (no copy); the others get
+        fresh blocks (cached again under their old key when it is free). Returns (swap block, device block) copies."""
+        assert self.can_swap_in(seq, 0)
+        found = {i: self._cached_copy(seq, i) for i in seq.swap_table}
+        for block_id in found.values():   # first, so that taking fresh blocks below cannot evict them
+            if block_id is not None:
+                self._share(block_id)
+        copies = []
+        for i, swap_id in seq.swap_table.items():
+            block_id = found[i]
+            if block_id is None:
+                block_id = self._take_free_block()
+                copies.append((swap_id, block_id))
+                if i < len(seq.prefix_ids) and seq.prefix_ids[i] is not None:
+                    self._cache_block(block_id, seq.prefix_ids[i - 1] if i else ROOT, self._block_tokens(seq, i),
+                                      seq.prefix_ids[i])
+            seq.block_table[i] = block_id
+            self.free_swap_ids.append(swap_id)
+        seq.swap_table.clear()
+        return copies
 
     # ---- checks ------------------------------------------------------------------------------
     def check_invariants(self, holders: Iterable[Sequence] = (), swapped: Iterable[Sequence] = ()) -> None:
-        """Assert the bookkeeping is consistent. `holders`: every sequence holding device blocks."""
+        """Assert the bookkeeping is consistent. `holders`: every running sequence; `swapped`: every swapped one
+        (it still holds the blocks it shares)."""
         free = set(self.free_block_ids)
         assert len(free) == len(self.free_block_ids)
+        swapped = list(swapped)
         refs = [0] * self.num_blocks
-        for seq in holders:
+        for seq in [*holders, *swapped]:
             for block_id in seq.block_table:
-                refs[block_id] += 1
+                if block_id is not None:
+                    refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} holders"
             assert (block.ref_count == 0) == (block.block_id in free), f"block {block.block_id} free-list mismatch"
         for h, block_id in self.hash_to_block_id.items():
-            assert self.blocks[block_id].hash == h
-        swap_ids = [i for seq in swapped for i in seq.block_table]
+            block = self.blocks[block_id]
+            assert block.hash == h == hash_block(block.parent_id, block.token_ids) and block.prefix_id is not None
+        for seq in swapped:
+            assert all((b is None) == (i in seq.swap_table) for i, b in enumerate(seq.block_table))
+        swap_ids = [i for seq in swapped for i in seq.swap_table.values()]
         assert len(set(swap_ids) | set(self.free_swap_ids)) == len(swap_ids) + len(self.free_swap_ids) == self.num_swap_blocks

@@ -2,6 +2,7 @@
 from llmso_lab.sim.budget import plan_token_budget, prefill_chunk
 from llmso_lab.sim.calibrate import calibrate, cpu_profile, relative_errors
 from llmso_lab.sim.calibrate import EngineRun, EngineStepRecord, records_from_engine_traces, run_on_engine
+from llmso_lab.sim.calibrate import StepDecisions, decisions_from_engine_traces, decisions_from_sim
 from llmso_lab.sim.cost import CostModel, StepBreakdown, StepCost, UnitCost
 from llmso_lab.sim.grid import (continuous_slot_grid, lecture_requests, lecture_slot_grids, slot_utilization,
                                 static_slot_grid, trace_slot_grid)
@@ -15,4 +16,5 @@ __all__ = [
     "SimConfig", "simulate", "SimResult", "SimStep", "RequestMetrics", "policy_key", "pick_victim",
     "lecture_requests", "lecture_slot_grids", "static_slot_grid", "continuous_slot_grid", "slot_utilization", "trace_slot_grid", "PreemptionCosts", "preemption_costs",
     "plan_token_budget", "prefill_chunk", "EngineStepRecord", "records_from_engine_traces", "EngineRun", "run_on_engine",
+    "StepDecisions", "decisions_from_engine_traces", "decisions_from_sim",
 ]

@@ -8,23 +8,17 @@ Every step may compute at most `max_num_batched_tokens` tokens for at most `max_
      prompt must fit or it gets nothing;
   3. the first prefill that gets nothing stops the queue (no skipping ahead: FCFS order is kept).
 
-`prefill_chunk` is the one rule both the planner and the simulator use; the engine's scheduler applies
-the same rule to its own queues.
+Rule 2 is `prefill_chunk` (its home is `llmso_lab.batching`, re-exported here): the planner below, the
+simulator and the engine's scheduler all call it. The engine and the simulator interleave it with KV blocks
+and preemption; `plan_token_budget` is the budget alone, for one step's queues.
 """
 from __future__ import annotations
 
 from typing import Hashable, Sequence
 
+from llmso_lab.batching import prefill_chunk
+
 __all__ = ["prefill_chunk", "plan_token_budget"]
-
-
-def prefill_chunk(remaining: int, budget: int, enable_chunked_prefill: bool = True) -> int:
-    """Tokens a sequence with `remaining` uncomputed tokens computes out of `budget` this step (0: none)."""
-    if remaining <= 0 or budget <= 0:
-        return 0
-    if remaining <= budget:
-        return remaining
-    return budget if enable_chunked_prefill else 0
 
 
 def plan_token_budget(decodes: Sequence[Hashable], prefills: Sequence[tuple[Hashable, int]],

@@ -20,7 +20,7 @@ from llmso_lab.sim.cost import StepCost
 from llmso_lab.workloads import latency_summary
 
 __all__ = ["cpu_profile", "calibrate", "relative_errors", "as_record", "EngineStepRecord", "records_from_engine_traces",
-           "EngineRun", "run_on_engine"]
+           "StepDecisions", "decisions_from_engine_traces", "decisions_from_sim", "EngineRun", "run_on_engine"]
 
 Record = tuple[int, int, int, float]  # (num_prefill_tokens, num_decode_seqs, sum_context_len, seconds)
 
@@ -146,6 +146,40 @@ def records_from_engine_traces(traces: Iterable[Any], num_cached_tokens: Mapping
             records.append(EngineStepRecord(tr.step, pre_tokens, len(tr.prefill), len(tr.decode) + len(tr.idle), ctx,
                                             float(tr.wall_time_s)))
     return records
+
+
+@dataclass(frozen=True, slots=True)
+class StepDecisions:
+    """What the scheduler decided in one step that ran a forward, in terms an engine trace (`StepTrace`) and a
+    simulated step (`SimStep`) share. Request ids as strings."""
+
+    prefill: dict[str, int]        # request -> prompt tokens computed (padding excluded)
+    decode: frozenset[str]         # requests that computed their last sampled token
+    idle: frozenset[str]           # static batching: finished rows still computed
+    preempted: tuple[str, ...]     # in preemption order (including those of steps in between that ran nothing)
+    swapped_in: frozenset[str]
+
+
+def decisions_from_engine_traces(traces: Iterable[Any]) -> list[StepDecisions]:
+    """`LLM.step()` traces -> one `StepDecisions` per step that ran a forward."""
+    out, preempted = [], []
+    for tr in traces:
+        preempted += tr.preempted
+        if tr.num_tokens:
+            out.append(StepDecisions({str(r): n for r, n in tr.prefill.items()}, frozenset(map(str, tr.decode)),
+                                     frozenset(map(str, tr.idle)), tuple(map(str, preempted)),
+                                     frozenset(map(str, tr.swapped_in))))
+            preempted = []
+    return out
+
+
+def decisions_from_sim(result: Any) -> list[StepDecisions]:
+    """A `SimResult`'s steps -> one `StepDecisions` each (compare with `decisions_from_engine_traces`)."""
+    def kind(step, k):
+        return frozenset(str(r) for r, slot_kind in step.slots if slot_kind == k)
+
+    return [StepDecisions({str(r): n for r, n in st.prefill.items()}, kind(st, "decode"), kind(st, "idle"),
+                          tuple(map(str, st.preempted)), frozenset(map(str, st.swapped_in))) for st in result.steps]
 
 
 @dataclass(slots=True)

@@ -27,7 +27,9 @@ class SimStep:
     sum_context_len: int          # KV tokens attended, summed over the step's sequences
     num_blocks_used: int
     slots: list[tuple[Any, str]]
-    preempted: list[Any] = field(default_factory=list)
+    preempted: list[Any] = field(default_factory=list)    # (also those of steps before that ran nothing)
+    prefill: dict[Any, int] = field(default_factory=dict)  # request id -> prompt tokens computed (no padding)
+    swapped_in: list[Any] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

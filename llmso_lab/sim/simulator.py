@@ -6,7 +6,8 @@ clock jumps to the next arrival when there is nothing to run.
 
   static      a batch of `max_num_seqs` requests (fewer only when no more will arrive) is padded to
               its longest prompt and run to its longest output; finished rows keep their slot and
-              are still computed; every row's answer is returned when the batch ends.
+              are still computed; every row's answer is returned when the batch ends. Each row reserves
+              the KV of longest prompt + longest output up front (a rectangle, as Hugging Face does).
   dynamic     the same, but a batch also starts when `batch_window_s` has passed since its oldest
               request arrived.
   continuous  iteration-level: every step, decodes first, then prefill chunks in the leftover
@@ -15,6 +16,11 @@ clock jumps to the next arrival when there is nothing to run.
 A sequence's state is (tokens known = prompt + generated, tokens with KV = num_computed). A step
 processes `n` of its uncomputed tokens; when none are left it samples one token. A decode is the
 case n = 1; a recompute-preempted sequence re-prefills prompt + generated tokens.
+
+It applies the engine's rules (`llmso_lab.engine.Scheduler`) through the same functions
+(`llmso_lab.batching`, `llmso_lab.policies`), so that on the same workload it makes the engine's decisions
+step for step (`tests/test_sim_engine_agreement.py`); what it adds is time, from the cost model. It has no
+prefix cache and an unlimited swap pool.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from llmso_lab.sim.budget import prefill_chunk
+from llmso_lab.batching import is_decode, prefill_chunk, static_batch
 from llmso_lab.sim.cost import CostModel
 from llmso_lab.policies import POLICIES, pick_victim, policy_key
 from llmso_lab.sim.results import RequestMetrics, SimResult, SimStep
@@ -81,6 +87,10 @@ class _Seq:
     def len(self) -> int:
         return self.req.prompt_len + self.num_generated
 
+    @property
+    def is_decode(self) -> bool:
+        return is_decode(self.len, self.num_computed, self.num_generated)
+
 
 def simulate(requests: Sequence[Request], cost: CostModel, config: SimConfig | None = None, **settings) -> SimResult:
     """Run `requests` through a simulated engine; `settings` override fields of `config`."""
@@ -102,6 +112,7 @@ class _Simulator:
         self.batch: list[_Seq] | None = None       # static / dynamic: the batch being run
         self.batch_iter = 0
         self.steps: list[SimStep] = []
+        self.unrecorded_preempted: list[_Seq] = []   # preempted in a step that then ran nothing
         self.num_finished = 0
         if cfg.num_kv_blocks is not None:
             self.total_blocks: float = cfg.num_kv_blocks
@@ -159,12 +170,17 @@ class _Simulator:
         self.running.remove(seq)
 
     def _record(self, start: float, prefill: list[tuple[int, int]], decode: list[int], kinds: dict[_Seq, str],
-                preempted: Sequence[_Seq] = ()) -> None:
+                work: dict[_Seq, int], preempted: Sequence[_Seq] = (), swapped_in: Sequence[_Seq] = ()) -> None:
+        """prefill: (tokens incl. padding, context before) per prefilling row; decode: context per decoding row;
+        work: real tokens computed per sequence."""
         slots = [(None, "free") if s is None else (s.req.request_id, kinds.get(s, "stalled")) for s in self.slots]
         used = sum(s.blocks for s in self.running)
+        preempted, self.unrecorded_preempted = [*self.unrecorded_preempted, *preempted], []
         self.steps.append(SimStep(start, self.now - start, sum(n for n, _ in prefill), len(prefill), len(decode),
                                   sum(n + p for n, p in prefill) + sum(decode), used, slots,
-                                  [s.req.request_id for s in preempted]))
+                                  [s.req.request_id for s in preempted],
+                                  {s.req.request_id: n for s, n in work.items() if kinds[s] == "prefill"},
+                                  [s.req.request_id for s in swapped_in]))
 
     def _advance(self, seq: _Seq, n: int) -> None:
         """`seq` computed `n` more tokens in the step that just ended at `self.now`."""
@@ -183,14 +199,15 @@ class _Simulator:
 
     # ---- continuous batching ----------------------------------------------------------------
     def _continuous_step(self) -> bool:
+        """One step of `llmso_lab.engine.Scheduler._schedule_continuous`, on block counts."""
         cfg, budget = self.cfg, self.cfg.max_num_batched_tokens
         work: dict[_Seq, int] = {}               # tokens each sequence computes in this step
-        preempted: list[_Seq] = []
+        preempted, swapped_in = [], []
         extra_s = 0.0                            # swap transfers stall the step
         # 1) running sequences: decodes first, then unfinished prefills, each in policy order
-        for seq in sorted(self.running, key=lambda s: (s.len - s.num_computed > 1, self._key(s))):
-            if seq.status != "running" or budget == 0:
-                continue
+        for seq in sorted(self.running, key=lambda s: (not s.is_decode, self._key(s))):
+            if seq.status != "running":
+                continue                         # preempted as a victim earlier in this loop
             n = prefill_chunk(seq.len - seq.num_computed, budget, cfg.enable_chunked_prefill)
             if n == 0:
                 continue
@@ -207,41 +224,39 @@ class _Simulator:
                 seq.blocks += need
                 work[seq] = n
                 budget -= n
-        # 2) admit swapped, then waiting sequences (none in a step that had to preempt)
-        queue = sorted(self.swapped, key=self._key) + sorted(self.waiting, key=self._key)
-        for seq in queue if not preempted else []:
-            if budget == 0 or len(self.running) == cfg.max_num_seqs:
+        # 2) bring back swapped sequences, then admit waiting ones; neither in a step that had to preempt,
+        # and no new request while a swapped one is still out
+        for queue in (self.swapped, self.waiting):
+            if preempted or (queue is self.waiting and self.swapped):
                 break
-            n = prefill_chunk(seq.len - seq.num_computed, budget, cfg.enable_chunked_prefill)
-            if n == 0:
-                break
-            blocks = self._blocks_for(seq.num_computed + n)
-            if blocks > self.free_blocks:
-                break
-            if seq.status == "swapped":
-                extra_s += self.cost.swap_time(seq.blocks * cfg.block_size)  # swap in
-                self.swapped.remove(seq)
-            else:
-                self.waiting.remove(seq)
-            self.free_blocks -= blocks
-            seq.blocks, seq.status = blocks, "running"
-            self.running.append(seq)
-            self._take_slot(seq)
-            work[seq] = n
-            budget -= n
+            for seq in sorted(queue, key=self._key):
+                n = prefill_chunk(seq.len - seq.num_computed, budget, cfg.enable_chunked_prefill)
+                blocks = self._blocks_for(seq.num_computed + n)
+                if len(self.running) == cfg.max_num_seqs or n == 0 or blocks > self.free_blocks:
+                    break
+                if seq.status == "swapped":
+                    extra_s += self.cost.swap_time(seq.blocks * cfg.block_size)  # swap in
+                    swapped_in.append(seq)
+                queue.remove(seq)
+                self.free_blocks -= blocks
+                seq.blocks, seq.status = blocks, "running"
+                self.running.append(seq)
+                self._take_slot(seq)
+                work[seq] = n
+                budget -= n
         assert sum(work.values()) <= cfg.max_num_batched_tokens and len(self.running) <= cfg.max_num_seqs
         assert self.free_blocks >= 0
         if not work:
             self.now += extra_s
+            self.unrecorded_preempted += preempted   # reported with the next recorded step
             return bool(preempted)
         # 3) one forward over the flattened batch
-        kinds = {s: "decode" if n == 1 and s.num_generated > 0 and s.num_computed == s.len - 1 else "prefill"
-                 for s, n in work.items()}
+        kinds = {s: "decode" if s.is_decode else "prefill" for s in work}
         prefill = [(n, s.num_computed) for s, n in work.items() if kinds[s] == "prefill"]
         decode = [s.num_computed + 1 for s, n in work.items() if kinds[s] == "decode"]
         start = self.now
         self.now += self.cost.step_time(prefill, decode) + extra_s
-        self._record(start, prefill, decode, kinds, preempted)
+        self._record(start, prefill, decode, kinds, work, preempted, swapped_in)
         # 4) append the sampled tokens, retire finished sequences
         for seq, n in work.items():
             self._advance(seq, n)
@@ -254,8 +269,8 @@ class _Simulator:
         seq.num_preemptions += 1
         self._release(seq)
         self.free_blocks += seq.blocks
-        if self.cfg.preemption_mode == "swap":
-            seq.status = "swapped"               # blocks now live on the host; num_computed is kept
+        if self.cfg.preemption_mode == "swap":   # the blocks with computed KV go to the host; num_computed is kept
+            seq.status, seq.blocks = "swapped", self._blocks_for(seq.num_computed)
             self.swapped.append(seq)
             return self.cost.swap_time(seq.blocks * self.cfg.block_size)
         seq.status, seq.blocks, seq.num_computed = "waiting", 0, 0   # drop the KV; re-prefill later
@@ -272,20 +287,19 @@ class _Simulator:
             self.now >= min(s.arrival_time for s in self.waiting) + cfg.batch_window_s
         if not (full or last or window_closed):
             return False
-        batch = sorted(self.waiting, key=self._key)[:cfg.max_num_seqs]
-        while self._batch_blocks(batch) > self.free_blocks:  # every row reserves max prompt + max output
-            batch.pop()
-        for seq in batch:
+        queue = sorted(self.waiting, key=self._key)
+        rows, reserve = static_batch([(s.req.prompt_len, s.req.output_len) for s in queue], cfg.max_num_seqs,
+                                     self.free_blocks, cfg.block_size)
+        assert rows, "a single request fits the KV cache (checked up front)"
+        batch = queue[:rows]
+        for seq in batch:   # every row reserves the rectangle: longest prompt + longest output
             self.waiting.remove(seq)
-            seq.status, seq.blocks = "running", self._batch_blocks(batch) // len(batch)
+            seq.status, seq.blocks = "running", self._blocks_for(reserve)
+            self.free_blocks -= seq.blocks
             self.running.append(seq)
             self._take_slot(seq)
-        self.free_blocks -= self._batch_blocks(batch)
         self.batch, self.batch_iter = batch, 0
         return True
-
-    def _batch_blocks(self, batch: list[_Seq]) -> int:
-        return len(batch) * self._blocks_for(max(s.req.prompt_len for s in batch) + max(s.req.output_len for s in batch))
 
     def _batch_step(self) -> bool:
         if self.batch is None and not self._form_batch():
@@ -298,7 +312,7 @@ class _Simulator:
         kinds = {s: ("prefill" if i == 0 else "decode") if s in active else "idle" for s in batch}
         start = self.now
         self.now += self.cost.step_time(prefill, decode)
-        self._record(start, prefill, decode, kinds)
+        self._record(start, prefill, decode, kinds, {s: s.req.prompt_len if i == 0 else 1 for s in active})
         for s in active:
             s.num_generated += 1
             if s.num_generated == 1:

@@ -8,13 +8,16 @@
 
 This is what `llmso_lab.engine.Scheduler` does under continuous batching with chunked prefill off and
 no preemption: decodes take the token budget first (one token each), then a waiting request is admitted
-only if its whole prompt fits the rest of the budget and its prompt's blocks fit the free blocks. FCFS
+only if its whole prompt fits the rest of the budget (`llmso_lab.batching.prefill_chunk`, the rule the
+engine and the simulator use) and its prompt's blocks fit the free blocks. FCFS
 stops at the first request that does not fit; it never lets a later, smaller one jump ahead. Growing a
 running sequence's blocks and preempting when they run out are left to Lab 02.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+from llmso_lab.batching import prefill_chunk
 
 __all__ = ["retire_and_admit"]
 
@@ -47,7 +50,8 @@ def retire_and_admit(running: Sequence[dict], waiting: Sequence[dict], free_bloc
     admitted = []
     for req in waiting:
         need = _blocks_for(req["prompt_len"], block_size)
-        if len(survivors) + len(admitted) >= max_num_seqs or req["prompt_len"] > budget or need > free:
+        whole = prefill_chunk(req["prompt_len"], budget, enable_chunked_prefill=False) == req["prompt_len"]
+        if len(survivors) + len(admitted) >= max_num_seqs or not whole or need > free:
             break                                           # FCFS: nobody overtakes the head of the queue
         admitted.append(req["id"])
         budget -= req["prompt_len"]
