@@ -164,13 +164,13 @@ def fixture_exercises(timeout_s=60):
     from llmso_lab.grading import Case, Exercise
     from llmso_lab.grading.compare import exact
 
-    env = {"PYTHONPATH": str(FIXTURES)}
+    # The references live outside the library (not visible to the student's process, which needs only the cell).
     return [
         Exercise("allreduce_sum", "99", 50, "procs_ref:allreduce_sum",
-                 [Case("3 ranks", ([1.0, 2.0, 4.0],), compare=exact())], timeout_s=timeout_s, env=env),
+                 [Case("3 ranks", ([1.0, 2.0, 4.0],), compare=exact())], timeout_s=timeout_s),
         Exercise("Counter", "99", 50, "procs_ref:Counter",
                  [Case("add then read", (10,), calls=[("add", (5,), {}), ("add", (-20,), {}), ("value", (), {})],
-                       compare=exact())], kind="class", timeout_s=timeout_s, env=env),
+                       compare=exact())], kind="class", timeout_s=timeout_s),
     ]
 
 

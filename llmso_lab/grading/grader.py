@@ -152,13 +152,13 @@ def _remove_tree(path: Path) -> None:
 
 def _child_env(ex: Exercise, rt: Runtime, job_root: Path, fds: tuple[int, int]) -> dict[str, str]:
     isolated = rt.isolation.isolated   # isolated: paths inside the sandbox's root; otherwise host paths
-    env = {"PATH": f"{Path(rt.python).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-           "HOME": "/job" if isolated else str(job_root / "work"), "TMPDIR": "/tmp" if isolated else str(job_root / "work"),
-           "PYTHONPATH": str(PACKAGE_DIR.parent) if isolated else str(job_root / "lib"),
-           "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "MPLBACKEND": "Agg", "GLOO_SOCKET_IFNAME": "lo",
-           "TRITON_INTERPRET": "0" if torch.cuda.is_available() else "1", **ex.env,
-           "LLMSO_GRADE_FDS": f"{fds[0]},{fds[1]}"}
+    env = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+           "GLOO_SOCKET_IFNAME": "lo", "TRITON_INTERPRET": "0" if torch.cuda.is_available() else "1", **ex.env}
+    # Not the exercise's to change: where the library comes from, and the grader's pipes.
+    env.update({"PATH": f"{Path(rt.python).parent}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+                "HOME": "/job" if isolated else str(job_root / "work"), "TMPDIR": "/tmp" if isolated else str(job_root / "work"),
+                "PYTHONPATH": str(PACKAGE_DIR.parent) if isolated else str(job_root / "lib"),
+                "PYTHONDONTWRITEBYTECODE": "1", "LLMSO_GRADE_FDS": f"{fds[0]},{fds[1]}"})
     return env
 
 
