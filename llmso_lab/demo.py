@@ -1,21 +1,25 @@
 """`make demo` / `llmso-lab demo`: the real model, this machine's roofline, and the lecture's serving comparison.
 
-Prints the ceilings and answers a chat prompt with SmolLM2 (tqdm bar over generated tokens). Then one workload
-(12 requests that share a 128-token system prompt, EOS ignored, 4 slots) goes through Hugging Face static
-batching and the engine (static; continuous; continuous + prefix caching with the system prompt already
-cached; the same with a KV cache that holds only the longest request, so requests get preempted): a table
-of throughput, TTFT/TPOT p50/p99, E2E p50, preemptions and prefix cache hit rate, and the measured ratios. Plots in `out/demo/`: roofline, the lecture's
-slot grids, the engine's real slot grids (static, continuous) and the TTFT/TPOT CDFs of every system.
+Prints the ceilings (at the labs' thread count, `hardware.set_lab_threads`) and answers a chat prompt with
+SmolLM2 (tqdm bar over generated tokens). Then one workload goes through Hugging Face static batching and the
+engine (static; continuous; continuous + prefix caching with the system prompt already cached; the same with a
+KV cache that holds only the longest request, so requests get preempted): 12 requests that share a 128-token
+system prompt, EOS ignored, 4 slots, and output lengths that differ a lot — every 4th request wants a long
+answer, so each static batch holds one long request and its other slots idle until it ends (the lecture's
+head-of-line blocking). A table of throughput, TTFT/TPOT p50/p99, E2E p50, preemptions and prefix cache hit
+rate, and the measured ratios. Plots in `out/demo/`: roofline, the lecture's slot grids, the engine's real
+slot grids (static, continuous) and the TTFT/TPOT CDFs of every system.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-PROMPT = "In two sentences, why is LLM decoding limited by memory bandwidth?"
+PROMPT = "What is machine learning? Answer in two sentences."   # one a 135M model answers well (greedy)
 
 
 @torch.inference_mode()
@@ -50,21 +54,22 @@ def run_demo(out_dir: Path = Path("out/demo")) -> int:
     from llmso_lab import hardware as hw
     from llmso_lab.models import load_model
     from llmso_lab.models.shapes import ModelShape
-    from llmso_lab.models.timing import time_forward
+    from llmso_lab.models.timing import time_forwards
     from llmso_lab.sim import lecture_slot_grids
     from llmso_lab.viz import plot_roofline, plot_slot_grid
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     out_dir.mkdir(parents=True, exist_ok=True)
+    threads = hw.set_lab_threads()
     t0 = time.perf_counter()
     model, tok = load_model("smollm2-135m")
     print(f"SmolLM2-135M loaded in {time.perf_counter() - t0:.1f} s")
 
     cpu = hw.measure_cpu(seconds=2.0)
-    print("\nRoofline ceilings (this machine measured; GPUs from datasheets)")
-    print(f"{'device':<12} {'peak TFLOP/s':>13} {'mem GB/s':>10} {'ridge FLOP/B':>13}")
+    print(f"\nRoofline ceilings (this machine measured at {threads} thread(s), best runs; GPUs from datasheets)")
+    print(f"{'device':<22} {'peak TFLOP/s':>13} {'mem GB/s':>10} {'ridge FLOP/B':>13}")
     for acc in [cpu, *hw.ACCELERATORS.values()]:
-        print(f"{acc.name:<12} {acc.peak_flops / 1e12:>13.3f} {acc.mem_bandwidth / 1e9:>10.1f} {acc.ridge:>13.1f}")
+        print(f"{acc.name:<22} {acc.peak_flops / 1e12:>13.3f} {acc.mem_bandwidth / 1e9:>10.1f} {acc.ridge:>13.1f}")
 
     shape = ModelShape.from_hf_config(model.config, name="SmolLM2-135M")
     weights = shape.weight_bytes(4)
@@ -75,10 +80,11 @@ def run_demo(out_dir: Path = Path("out/demo")) -> int:
     text, tps = chat(model, tok, PROMPT)
     print(f"A: {text}\n({tps:.1f} tokens/s with a plain Hugging Face decode loop, {tps / bound:.0%} of the ceiling)")
 
-    points = []
-    for n in (1, 16, 256):
-        t = time_forward(model, n, context_len=128, reps=2)
-        flops, moved = n * shape.flops_per_token(128), weights + (128 + n) * shape.kv_bytes_per_token(4)
+    from llmso_lab.sim import StepCost
+
+    points, cost, ns = [], StepCost(cpu, shape, dtype_bytes=4), (1, 16, 256)
+    for n, t in zip(ns, time_forwards(model, [(n, 1) for n in ns], context_len=128, rounds=2)):
+        flops, moved = cost.work(prefill=[(n, 128)])
         points.append((f"{n} new tokens", flops / moved, flops / t))
     plot_roofline(cpu, points).savefig(out_dir / "roofline.png", dpi=120)
     grids = lecture_slot_grids()
@@ -95,29 +101,40 @@ COLUMNS = {"system": "system", "output_tok_s": "tokens/s", "ttft_p50_s": "TTFT p
 
 
 def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: int = 128,
-                 own_len: tuple[int, int] = (8, 32), output_len: tuple[int, int] = (4, 24), slots: int = 4,
-                 seed: int = 1) -> list[dict]:
+                 own_len: tuple[int, int] = (8, 32), output_len: tuple[int, int] = (4, 16),
+                 long_output_len: tuple[int, int] = (64, 96), slots: int = 4, seed: int = 1) -> list[dict]:
     """One workload whose prompts share a system prompt, through HF static batches and four engine settings.
 
+    Requests 0, slots, 2 * slots, ... want `long_output_len` tokens, the others `output_len`: every static
+    batch (arrival order) holds one long request, so its other slots idle until that one ends.
     Prints the table and the key ratios, checks that every engine setting makes the same greedy tokens,
     writes latency_cdf.png and engine_slot_grid_{static,continuous}.png to out_dir. Returns the table rows.
     """
     from matplotlib.figure import Figure
 
-    from llmso_lab.bench.batching import _engine, _hf_static, workload
+    from llmso_lab.bench.batching import _engine, _hf_generate, _hf_static, workload
     from llmso_lab.cli import print_table
     from llmso_lab.kv.block_manager import cdiv
-    from llmso_lab.sim.grid import trace_slot_grid
+    from llmso_lab.sim.grid import slot_utilization, trace_slot_grid
     from llmso_lab.viz import plot_latency_cdf, plot_slot_grid
+    from llmso_lab.workloads import Request, uniform_lengths
 
     reqs, prompts = workload(num_requests, own_len, output_len, model.config.vocab_size, seed, shared_prefix=prefix_len)
+    long_lens = uniform_lengths(num_requests, *long_output_len, seed=seed + 1)
+    reqs = [dataclasses.replace(r, output_len=long_lens[i]) if i % slots == 0 else r for i, r in enumerate(reqs)]
     system = prompts[0][:prefix_len]   # served once before the prefix-cache runs: the cache starts warm, as in
                                        # production, where the system prompt was already seen by earlier requests
     max_len = max(r.prompt_len + r.output_len for r in reqs)
     small_kv = cdiv(max_len, 16)   # 16-token blocks for the longest request alone: the others must wait or be preempted
+    pad_id = model.config.pad_token_id or 0
     print(f"\nServing {num_requests} requests: a shared {prefix_len}-token system prompt + {own_len[0]}-{own_len[1]} "
-          f"own tokens, {output_len[0]}-{output_len[1]} output tokens (EOS ignored), {slots} slots")
-    hf_row, hf_metrics = _hf_static(model, reqs, prompts, slots, model.config.pad_token_id or 0)
+          f"own tokens; every {slots}th asks for {long_output_len[0]}-{long_output_len[1]} output tokens, the others for "
+          f"{output_len[0]}-{output_len[1]} (EOS ignored); {slots} slots")
+    # untimed warm-up of both code paths: first calls pay one-off allocation costs
+    _engine(model, tok, "continuous", [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:slots])],
+            prompts[:slots], slots, max_len, "warm-up")
+    _hf_generate(model, prompts[:slots], 2, pad_id)
+    hf_row, hf_metrics = _hf_static(model, reqs, prompts, slots, pad_id)
     settings = {  # row label: (batching, extra LLM arguments)
         "engine static": ("static", {}),
         "engine continuous": ("continuous", {}),
@@ -135,8 +152,11 @@ def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: 
     metrics = {hf_row["system"]: hf_metrics, **{k: [o.metrics for o in outs] for k, (_, outs, _) in runs.items()}}
     ttft = {k: [m.ttft for m in ms] for k, ms in metrics.items()}
     tpot = {k: [m.tpot for m in ms] for k, ms in metrics.items()}
-    speedup = runs["engine continuous"][0]["output_tok_s"] / hf_row["output_tok_s"]
-    print(f"continuous batching vs HF static batching: {speedup:.2f}x output tokens/s")
+    cont, static = runs["engine continuous"], runs["engine static"]
+    use = {m: slot_utilization(trace_slot_grid(runs[f"engine {m}"][2], slots)) for m in ("static", "continuous")}
+    print(f"continuous batching vs static batching: {cont[0]['output_tok_s'] / static[0]['output_tok_s']:.2f}x output "
+          f"tokens/s (slots busy {use['continuous']:.0%} vs {use['static']:.0%}); vs HF static batching: "
+          f"{cont[0]['output_tok_s'] / hf_row['output_tok_s']:.2f}x")
     off, on = (statistics.median(ttft[k]) for k in ("engine continuous", "engine continuous + prefix cache"))
     print(f"TTFT p50 without / with prefix caching: {off:.2f} s / {on:.2f} s ({off / on:.1f}x)")
 

@@ -5,6 +5,7 @@ tensor-core math (no 2:4 sparsity), the number a serving engineer should plan wi
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -12,8 +13,8 @@ from typing import Sequence
 import torch
 
 __all__ = [
-    "Accelerator", "ACCELERATORS", "get_accelerator", "measure_cpu",
-    "matmul_flops", "matmul_arithmetic_intensity", "ridge_point", "attainable_flops",
+    "Accelerator", "ACCELERATORS", "get_accelerator", "set_lab_threads", "measure_cpu",
+    "matmul_flops", "matmul_arithmetic_intensity", "ridge_point", "attainable_flops", "compute_bound_tokens",
     "roofline_time", "kv_bytes_per_token", "decode_bytes_per_step", "decode_tokens_per_s_bound",
 ]
 
@@ -62,19 +63,39 @@ def get_accelerator(name: str) -> Accelerator:
     raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
 
 
-def measure_cpu(seconds: float = 2.0, matmul_size: int = 1024, copy_mb: int = 256) -> Accelerator:
+def set_lab_threads(num_threads: int | None = None) -> int:
+    """The one thread policy of the labs and the demo; returns the thread count torch now uses.
+
+    `num_threads`, else $LLMSO_LAB_THREADS, else every core this process may run on. A CPU's ceilings and
+    every model timing hold only for the thread count they were measured with, so each lab's setup cell calls
+    this first and "this CPU" means the same thing in every lab.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = num_threads or int(os.environ.get("LLMSO_LAB_THREADS") or 0) or cores
+    torch.set_num_threads(n)
+    return n
+
+
+def measure_cpu(seconds: float = 2.0, matmul_sizes: Sequence[int] = (256, 512, 1024), copy_mb: int = 256) -> Accelerator:
     """Measure this machine's fp32 matmul FLOP/s and memory copy bandwidth (read + write bytes).
 
-    Takes about `seconds` in total. Uses all threads torch is allowed to use.
+    Both are ceilings, so both are the best single run, not an average (a run that another process
+    interrupted says nothing about the hardware): FLOP/s over square matmuls of each size in
+    `matmul_sizes` (the best size wins; outputs preallocated, so no page faults are timed), bandwidth
+    over copies of `copy_mb` MiB. Takes about `seconds`, at the thread count torch uses now
+    (see `set_lab_threads`); the name says that count.
     """
-    a = torch.randn(matmul_size, matmul_size)
-    b = torch.randn(matmul_size, matmul_size)
-    torch.mm(a, b)  # warm up
-    flops, n, t0 = 2 * matmul_size**3, 0, time.perf_counter()
-    while (dt := time.perf_counter() - t0) < seconds / 2 or n < 3:
-        torch.mm(a, b)
-        n += 1
-    peak = flops * n / dt
+    peak, budget = 0.0, seconds / 2 / len(matmul_sizes)
+    for size in matmul_sizes:
+        a, b, c = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
+        torch.mm(a, b, out=c)  # warm up
+        n, best, t_end = 0, float("inf"), time.perf_counter() + budget
+        while time.perf_counter() < t_end or n < 3:
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=c)
+            best = min(best, time.perf_counter() - t0)
+            n += 1
+        peak = max(peak, matmul_flops(size, size, size) / best)
 
     src = torch.ones(copy_mb * 2**20 // 4)
     dst = torch.empty_like(src)
@@ -86,7 +107,8 @@ def measure_cpu(seconds: float = 2.0, matmul_size: int = 1024, copy_mb: int = 25
         best = min(best, time.perf_counter() - t0)
         n += 1
     bw = 2 * src.numel() * 4 / best  # a copy reads and writes every byte
-    return Accelerator("this-cpu", peak, bw, 0.0, "none", 0.0, 0.0, 0)
+    threads = torch.get_num_threads()
+    return Accelerator(f"this-cpu ({threads} thread{'s' if threads > 1 else ''})", peak, bw, 0.0, "none", 0.0, 0.0, 0)
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -107,6 +129,16 @@ def ridge_point(peak_flops: float, bandwidth: float) -> float:
 def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
     """Roofline: min(peak, intensity * bandwidth)."""
     return min(peak_flops, intensity * bandwidth)
+
+
+def compute_bound_tokens(weight_bytes: float, flops_per_token: float, peak_flops: float, bandwidth: float) -> float:
+    """New tokens per forward at which doing their math takes as long as reading the weights once.
+
+    Below it a forward is memory-bound and costs about the same whatever the token count (a decode step, or
+    speculative decoding's verification of a few draft tokens); above it the time grows with the tokens
+    (prefill). It is the ridge point in tokens: FLOP/byte of one token per weight byte scaled to the ridge.
+    """
+    return ridge_point(peak_flops, bandwidth) * weight_bytes / flops_per_token
 
 
 def roofline_time(flops: float, bytes_moved: float, peak_flops: float, bandwidth: float) -> float:

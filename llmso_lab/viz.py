@@ -1,9 +1,16 @@
 """Plots for the labs. Each helper builds and returns a matplotlib `Figure` (no pyplot state, no
-`plt.show()`), so it works under the Agg backend, in tests, and in notebooks (the Figure displays
-itself as a cell's last value). Labels are English so no CJK font is needed.
+`plt.show()`), so it works under the Agg backend, in tests, and in notebooks. Labels are English so no CJK
+font is needed.
+
+In a notebook the returned figure shows itself as a cell's last value or through `display(fig)`, in a fresh
+kernel too: `LabFigure` renders its own PNG (`_repr_png_`), so it does not wait for pyplot's inline backend to
+be switched on (a bare `Figure` prints as text `<Figure size ...>` until then). Once the inline backend is on,
+IPython's own figure formatter takes over; either way one PNG per display. Nothing is registered with pyplot,
+so the inline backend never shows these figures a second time at the end of the cell.
 """
 from __future__ import annotations
 
+import io
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -14,7 +21,18 @@ from matplotlib.patches import Rectangle
 
 from llmso_lab.hardware import Accelerator
 
-__all__ = ["plot_slot_grid", "plot_roofline", "plot_latency_cdf", "plot_tradeoff"]
+__all__ = ["LabFigure", "plot_slot_grid", "plot_roofline", "plot_latency_cdf", "plot_tradeoff"]
+
+
+class LabFigure(Figure):
+    """A matplotlib `Figure` that IPython displays as a PNG whatever the backend (see the module docstring).
+
+    Make multi-panel figures with `LabFigure(figsize=...).subplots(...)`."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", bbox_inches="tight")  # as the inline backend draws figures
+        return buf.getvalue()
 
 
 def plot_slot_grid(grid: np.ndarray, title: str = "", max_labelled_iters: int = 40) -> Figure:
@@ -25,7 +43,7 @@ def plot_slot_grid(grid: np.ndarray, title: str = "", max_labelled_iters: int = 
     n_slots, n_iters = grid.shape
     small = n_iters <= max_labelled_iters
     width = 0.55 * n_iters + 1.5 if small else 16.0
-    fig = Figure(figsize=(max(4.0, width), max(2.0, (0.55 if small else 0.35) * n_slots + 1.2)))
+    fig = LabFigure(figsize=(max(4.0, width), max(2.0, (0.55 if small else 0.35) * n_slots + 1.2)))
     ax = fig.add_subplot()
     ids = sorted(int(i) for i in np.unique(grid) if i >= 0)
     colours = ListedColormap([(0.85, 0.85, 0.85, 1.0)] + [tuple(c) for c in _palette(len(ids))])
@@ -61,7 +79,7 @@ def plot_roofline(hardware: Accelerator, points: Sequence[tuple] = (), intensity
     peak, bw = hardware.peak_flops, hardware.mem_bandwidth
     lo, hi = intensity_range or (min([0.1] + [p[1] / 3 for p in points]), max([hardware.ridge * 30] + [p[1] * 3 for p in points]))
     x = np.geomspace(lo, hi, 200)
-    fig = Figure(figsize=(6.5, 4.2))
+    fig = LabFigure(figsize=(6.5, 4.2))
     ax = fig.add_subplot()
     ax.loglog(x, np.minimum(peak, x * bw), color="k", lw=2, label=f"{hardware.name} roof")
     ax.axvline(hardware.ridge, color="0.5", ls="--", lw=1)
@@ -83,9 +101,9 @@ def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], xlabel: str = "la
                      ax: Axes | None = None) -> Figure:
     """Empirical CDF of each named latency sample (e.g. {"fcfs": e2e, "sjf": e2e}), p50 and p99 marked.
 
-    ax: draw into this panel of a larger figure (e.g. `Figure().subplots(1, 2)`) instead of a new figure."""
+    ax: draw into this panel of a larger figure (e.g. `LabFigure().subplots(1, 2)`) instead of a new figure."""
     if ax is None:
-        ax = Figure(figsize=(6, 4)).add_subplot()
+        ax = LabFigure(figsize=(6, 4)).add_subplot()
     for name, values in latencies.items():
         v = np.sort(np.asarray(values, dtype=float))
         (line,) = ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=name)
@@ -103,7 +121,7 @@ def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], xlabel: str = "la
 def plot_tradeoff(x: Sequence[float], y: Sequence[float], labels: Sequence[object] = (), xlabel: str = "TTFT p50 (s)",
                   ylabel: str = "TPOT p50 (s)", title: str = "") -> Figure:
     """One sweep as a line of points, each labelled (e.g. by its max_num_batched_tokens)."""
-    fig = Figure(figsize=(6, 4))
+    fig = LabFigure(figsize=(6, 4))
     ax = fig.add_subplot()
     ax.plot(x, y, "o-")
     for xi, yi, lab in zip(x, y, labels):

@@ -29,6 +29,16 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
         "right": ["def roofline_time(flops, bytes_moved, peak_flops, bandwidth):\n"
                   "    return max(flops / peak_flops, bytes_moved / bandwidth)\n"],
     },
+    "lab00/compute_bound_tokens": {
+        "wrong": ["def compute_bound_tokens(weight_bytes, flops_per_token, peak_flops, bandwidth):\n"
+                  "    return peak_flops / bandwidth  # the ridge point is in FLOP/byte, not in tokens\n",
+                  "def compute_bound_tokens(weight_bytes, flops_per_token, peak_flops, bandwidth):\n"
+                  "    return flops_per_token / weight_bytes * peak_flops / bandwidth  # upside down\n"],
+        "right": ["def compute_bound_tokens(weight_bytes, flops_per_token, peak_flops, bandwidth):\n"
+                  "    read_weights_s = weight_bytes / bandwidth\n"
+                  "    one_token_math_s = flops_per_token / peak_flops\n"
+                  "    return read_weights_s / one_token_math_s\n"],
+    },
     "lab00/kv_bytes_per_token": {
         "wrong": ["def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_elem=2):\n"
                   "    return int(num_layers * num_kv_heads * head_dim * bytes_per_elem)  # K only\n"],
@@ -36,16 +46,12 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    k = v = num_kv_heads * head_dim\n"
                   "    return int((k + v) * bytes_per_elem * num_layers)\n"],
     },
-    "lab00/decode_bytes_per_step": {
-        "wrong": ["def decode_bytes_per_step(weight_bytes, context_lens, kv_bytes_per_token):\n"
-                  "    # every sequence reads the weights itself\n"
-                  "    return sum(weight_bytes + n * kv_bytes_per_token for n in context_lens)\n"],
-        "right": ["def decode_bytes_per_step(weight_bytes, context_lens, kv_bytes_per_token):\n"
-                  "    return weight_bytes + kv_bytes_per_token * sum(context_lens)\n"],
-    },
     "lab00/decode_tokens_per_s_bound": {
         "wrong": ["def decode_tokens_per_s_bound(weight_bytes, bandwidth, batch=1, context_len=0, kv_bytes_per_token=0):\n"
-                  "    return bandwidth / (weight_bytes + batch * context_len * kv_bytes_per_token)  # steps/s, not tokens/s\n"],
+                  "    return bandwidth / (weight_bytes + batch * context_len * kv_bytes_per_token)  # steps/s, not tokens/s\n",
+                  "def decode_tokens_per_s_bound(weight_bytes, bandwidth, batch=1, context_len=0, kv_bytes_per_token=0):\n"
+                  "    # every sequence reads the weights itself\n"
+                  "    return batch * bandwidth / (batch * weight_bytes + batch * context_len * kv_bytes_per_token)\n"],
         "right": ["def decode_tokens_per_s_bound(weight_bytes, bandwidth, batch=1, context_len=0, kv_bytes_per_token=0):\n"
                   "    seconds_per_step = (weight_bytes + batch * context_len * kv_bytes_per_token) / bandwidth\n"
                   "    return batch * (1.0 / seconds_per_step)\n"],

@@ -100,3 +100,25 @@ def test_smollm2_loads_and_answers():
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_time_forwards_gives_one_best_time_per_shape_and_restores_the_context(monkeypatch):
+    from llmso_lab.models import timing
+
+    model = tiny_llama()
+    seen = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        cache = kwargs.get(timing.cache_kwarg(model))
+        seen.append((kwargs["input_ids"].shape, cache.get_seq_length()))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    times = timing.time_forwards(model, [(1, 1), (5, 1), (1, 3)], context_len=7, rounds=2, warmup=1)
+    assert len(times) == 3 and all(0 < t < 60 for t in times)
+    timed = seen[2:]   # two context prefills (batch 1 and 3) first
+    assert [s for s, _ in timed] == [torch.Size([1, 1]), torch.Size([1, 5]), torch.Size([3, 1])] * 3  # shapes take turns
+    assert {n for _, n in timed} == {7}   # every timed run starts from the same 7-token context
+    with pytest.raises(ValueError, match="new_tokens >= 1"):
+        timing.time_forwards(model, [(0, 1)])

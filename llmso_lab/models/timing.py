@@ -1,16 +1,16 @@
 """Time real forward passes of a Hugging Face causal LM: N new tokens on top of a cached context.
 
-Used by Lab 00 (the roofline of a real model) and the demo. Median of `reps` runs after `warmup`.
+Used by Lab 00 (the roofline of a real model), Lab 01 (does an idle row cost time?) and the demo.
 """
 from __future__ import annotations
 
 import inspect
-import statistics
 import time
+from typing import Sequence
 
 import torch
 
-__all__ = ["time_forward", "cache_kwarg"]
+__all__ = ["time_forwards", "cache_kwarg"]
 
 
 def cache_kwarg(model) -> str:
@@ -19,28 +19,36 @@ def cache_kwarg(model) -> str:
 
 
 @torch.inference_mode()
-def time_forward(model, new_tokens: int, context_len: int = 0, batch: int = 1, reps: int = 3, warmup: int = 1,
-                 seed: int = 0) -> float:
-    """Median seconds of one forward of `[batch, new_tokens]` tokens after a `context_len`-token KV cache."""
+def time_forwards(model, shapes: Sequence[tuple[int, int]], context_len: int = 0, rounds: int = 3, warmup: int = 1,
+                  seed: int = 0) -> list[float]:
+    """Seconds of one forward of `[batch, new_tokens]` tokens after a `context_len`-token KV cache, for each
+    `(new_tokens, batch)` in `shapes`: the best of `rounds` runs (the least disturbed one).
+
+    The shapes take turns, round after round, so a burst of work from another process slows one run of
+    several shapes instead of every run of one shape. Logits are computed for the last position only, as in
+    a prefill.
+    """
     from transformers import DynamicCache
 
-    if new_tokens < 1 or batch < 1 or context_len < 0:
-        raise ValueError(f"need new_tokens >= 1, batch >= 1, context_len >= 0; got {new_tokens}, {batch}, {context_len}")
-    vocab = model.config.vocab_size
+    if any(n < 1 or b < 1 for n, b in shapes) or context_len < 0 or rounds < 1:
+        raise ValueError(f"need new_tokens >= 1, batch >= 1, context_len >= 0, rounds >= 1; got {shapes}, "
+                         f"{context_len}, {rounds}")
+    vocab, key = model.config.vocab_size, cache_kwarg(model)
     g = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(3, vocab, (batch, context_len), generator=g)
-    new = torch.randint(3, vocab, (batch, new_tokens), generator=g)
-    cache = DynamicCache(config=model.config)
-    key = cache_kwarg(model)
-    if context_len:
-        model(input_ids=ctx, use_cache=True, **{key: cache})
-    positions = torch.arange(context_len, context_len + new_tokens).expand(batch, -1)
-    times = []
-    for i in range(warmup + reps):
-        t0 = time.perf_counter()
-        model(input_ids=new, position_ids=positions, use_cache=True, logits_to_keep=1, **{key: cache})
-        dt = time.perf_counter() - t0
-        cache.crop(-new_tokens)  # drop the new tokens so every run sees the same context
-        if i >= warmup:
-            times.append(dt)
-    return statistics.median(times)
+    caches = {}
+    for b in sorted({b for _, b in shapes}):  # one cache per batch size, filled with the same context once
+        caches[b] = DynamicCache(config=model.config)
+        if context_len:
+            model(input_ids=torch.randint(3, vocab, (b, context_len), generator=g), use_cache=True, **{key: caches[b]})
+    inputs = [torch.randint(3, vocab, (b, n), generator=g) for n, b in shapes]
+    best = [float("inf")] * len(shapes)
+    for r in range(warmup + rounds):
+        for i, ((n, b), ids) in enumerate(zip(shapes, inputs)):
+            positions = torch.arange(context_len, context_len + n).expand(b, -1)
+            t0 = time.perf_counter()
+            model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{key: caches[b]})
+            dt = time.perf_counter() - t0
+            caches[b].crop(-n)  # drop the new tokens: every run sees the same context
+            if r >= warmup:
+                best[i] = min(best[i], dt)
+    return best

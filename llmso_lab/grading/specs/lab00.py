@@ -10,27 +10,28 @@ KV_BYTES_ELSEWHERE = ("llmso_lab.models.shapes:ModelShape.kv_bytes_per_token",
                       "llmso_lab.engine.model_runner:kv_cache_bytes_per_block")
 
 register(
-    Exercise("matmul_arithmetic_intensity", "00", 25, "llmso_lab.hardware:matmul_arithmetic_intensity", [
+    Exercise("matmul_arithmetic_intensity", "00", 20, "llmso_lab.hardware:matmul_arithmetic_intensity", [
         Case("square 4096 matmul in bf16", (4096, 4096, 4096), {"bytes_per_elem": 2}),
         Case("decode GEMV: 1 token x [4096, 4096] weight", (1, 4096, 4096), {"bytes_per_elem": 2}),
         Case("fp32, non-square (m=3, n=5, k=7)", (3, 5, 7), {"bytes_per_elem": 4}),
     ], compare=rel, description="FLOPs per byte of an [m,k] @ [k,n] matmul"),
-    Exercise("roofline_time", "00", 20, "llmso_lab.hardware:roofline_time", [
+    Exercise("roofline_time", "00", 10, "llmso_lab.hardware:roofline_time", [
         Case("memory-bound: 140 GB of weights on an H100", (2 * 70e9, 140e9, H100_BF16, H100_BW)),
         Case("compute-bound: 1 PFLOP, 1 GB", (1e15, 1e9, H100_BF16, H100_BW)),
     ], compare=rel, tripwires=("llmso_lab.hardware:attainable_flops", "llmso_lab.sim.cost:StepCost.time_of"),
         description="max(compute time, memory time)"),
-    Exercise("kv_bytes_per_token", "00", 20, "llmso_lab.hardware:kv_bytes_per_token", [
+    Exercise("compute_bound_tokens", "00", 30, "llmso_lab.hardware:compute_bound_tokens", [
+        Case("Llama-3-70B in fp16 on an H100", (140e9, 140e9, H100_BF16, H100_BW)),
+        Case("SmolLM2-135M in fp32 on a 200 GFLOP/s, 25 GB/s CPU", (538e6, 269e6, 200e9, 25e9)),
+    ], compare=rel, description="new tokens per forward at which the math takes as long as reading the weights"),
+    Exercise("kv_bytes_per_token", "00", 15, "llmso_lab.hardware:kv_bytes_per_token", [
         Case("the lecture's 70B: 80 layers, 8 KV heads, head_dim 128, fp16", (80, 8, 128), {"bytes_per_elem": 2}),
         Case("SmolLM2-135M in fp32: 30 layers, 3 KV heads, head_dim 64", (30, 3, 64), {"bytes_per_elem": 4}),
     ], compare=rel, tripwires=KV_BYTES_ELSEWHERE, description="KV-cache bytes added per token"),
-    Exercise("decode_bytes_per_step", "00", 15, "llmso_lab.hardware:decode_bytes_per_step", [
-        Case("batch 1, empty context", (538e6, [0], 92160)),
-        Case("batch 3, different contexts", (140e9, [100, 2000, 8192], 327680)),
-    ], compare=rel, description="bytes read by one decode step"),
-    Exercise("decode_tokens_per_s_bound", "00", 20, "llmso_lab.hardware:decode_tokens_per_s_bound", [
+    Exercise("decode_tokens_per_s_bound", "00", 25, "llmso_lab.hardware:decode_tokens_per_s_bound", [
         Case("70B fp16 on an H100, batch 1", (140e9, H100_BW)),
         Case("batch 8 with 4K context each", (140e9, H100_BW), {"batch": 8, "context_len": 4096,
                                                                "kv_bytes_per_token": 327680}),
-    ], compare=rel, description="memory-bound ceiling on generated tokens/s"),
+    ], compare=rel, tripwires=("llmso_lab.hardware:decode_bytes_per_step",),
+        description="memory-bound ceiling on generated tokens/s"),
 )

@@ -44,7 +44,7 @@ _sjf_queue = [req(0, 0.0, predicted_len=500), req(1, 4.0, predicted_len=50), req
               req(3, 7.0, predicted_len=50)]
 
 register(
-    Exercise("plan_token_budget", "02", 45, "llmso_lab.sim.budget:plan_token_budget", [
+    Exercise("plan_token_budget", "02", 50, "llmso_lab.sim.budget:plan_token_budget", [
         Case("3 decodes, then prompts chunked into the leftover 29 tokens",
              (["d1", "d2", "d3"], [("a", 10), ("b", 100), ("c", 5)], 32)),
         Case("chunked prefill off: 'b' does not fit whole, and 'c' may not jump the queue",
@@ -53,13 +53,13 @@ register(
         Case("no decodes: a 2048-token budget over a long prompt", ([], [("long", 5000), ("short", 8)], 2048)),
     ], compare=same, tripwires=("llmso_lab.sim.budget:prefill_chunk",),
         description="one step's decode-first token budget: decodes take 1 token each, prefills chunk the rest"),
-    Exercise("choose_victim", "02", 25, "llmso_lab.policies:pick_victim", [
+    Exercise("choose_victim", "02", 30, "llmso_lab.policies:pick_victim", [
         Case("fcfs preempts the latest arrival", (_running, "fcfs")),
         Case("priority preempts the largest (priority, arrival)", (_running, "priority")),
         Case("sjf preempts the longest predicted job", (_running, "sjf")),
     ], compare=same, oracle="llmso_lab.grading.specs.lab02:victim_oracle", tripwires=POLICY_CODE,
         description="which running request to preempt when KV blocks run out, by policy"),
-    Exercise("sjf_order", "02", 30, "llmso_lab.policies:policy_key", [
+    Exercise("sjf_order", "02", 20, "llmso_lab.policies:policy_key", [
         Case("no aging: shortest predicted output first, ties by arrival", (_sjf_queue,), {"now": 8.0}),
         Case("aging 80 tokens/s at t=8: the 500-token job has waited 8 s (640 tokens of credit) and moves up",
              (_sjf_queue,), {"now": 8.0, "aging": 80.0}),
