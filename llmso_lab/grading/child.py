@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import linecache
 import os
+import re
 
 PRELUDE = """\
 import math, random, itertools, functools, collections
@@ -19,12 +20,21 @@ from typing import *
 import numpy as np
 import torch
 import torch.nn.functional as F
+"""
+TRITON_PRELUDE = """\
 try:
     import triton
     import triton.language as tl
 except Exception:
     pass
 """
+
+
+def prelude(job: dict) -> str:
+    """The names every exercise cell gets; triton and tl only where the cell can use them (importing triton
+    costs a second or two per exercise)."""
+    wants_triton = job["launcher"] or re.search(r"\b(triton|tl)\b", job["source"])
+    return PRELUDE + (TRITON_PRELUDE if wants_triton else "")
 
 
 def _limit(rlimits: dict[str, int]) -> None:
@@ -75,7 +85,7 @@ def main() -> None:
 
     disable(job["runtime_tripwires"], job["exercise"])   # builtins; library references are stubs already
     ns: dict = {"__name__": "__main__"}
-    exec(compile(PRELUDE, "<prelude>", "exec"), ns)
+    exec(compile(prelude(job), "<prelude>", "exec"), ns)
     # Give the cell a real file so inspect.getsource works (Triton's @jit needs it).
     cell_file = os.path.abspath("exercise_cell.py")
     with open(cell_file, "w") as f:

@@ -12,8 +12,10 @@ import ast
 import re
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
+if TYPE_CHECKING:   # imported where used: nbformat's import costs seconds (jsonschema's format checkers),
+    import nbformat  # and the grader's child process, which never reads a notebook, imports this module
 
 __all__ = ["read_notebook", "exercise_cell_source", "make_student_notebook", "solution_blocks",
            "INSTRUCTOR_TAG", "parse"]
@@ -35,6 +37,8 @@ def parse(source: str) -> ast.Module:
 
 def read_notebook(path: str | Path) -> nbformat.NotebookNode:
     try:
+        import nbformat
+
         return nbformat.read(str(path), as_version=4)
     except FileNotFoundError:
         raise ValueError(f"notebook {path} does not exist") from None
@@ -103,6 +107,8 @@ def _stub_markdown(source: str) -> str:
 
 def make_student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """The student version of a solution notebook: stubs, no hidden tests, no outputs."""
+    import nbformat
+
     out = nbformat.v4.new_notebook()
     out.metadata = dict(nb.metadata)
     out.metadata.setdefault("llmso", {})
