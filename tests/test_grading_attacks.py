@@ -369,7 +369,8 @@ def test_a_renamed_copy_of_the_library_is_reported_to_the_instructor_only(tmp_pa
 
     from llmso_lab.sim import step_logic
 
-    src = inspect.getsource(step_logic._blocks_for) + "\n\n" + inspect.getsource(step_logic.retire_and_admit)
+    src = ("from llmso_lab.batching import prefill_chunk\n\n\n" + inspect.getsource(step_logic._blocks_for) + "\n\n"
+           + inspect.getsource(step_logic.retire_and_admit))   # the module's import comes along with the copy
     for old, new in (("survivors", "alive"), ("budget", "tokens_left"), ("free", "avail"),
                      ("counted", "snapshot"), ("req", "item"), ("need", "nb")):
         src = re.sub(rf"\b{old}\b", new, src)
@@ -384,7 +385,8 @@ def test_a_renamed_copy_of_the_library_is_reported_to_the_instructor_only(tmp_pa
 def test_reduced_sandbox_grades_the_same_and_says_it_is_reduced(tmp_path, monkeypatch):
     monkeypatch.setattr(sandbox, "_ISOLATION", sandbox.Isolation("reduced", "a test"))
     tests, res = graded(tmp_path, "00", {}, only=["roofline_time", "kv_bytes_per_token"])
-    assert res["score"] == 40 and "REDUCED (a test)" in res["extra_data"]["sandbox"]
+    assert res["score"] == PTS["roofline_time"] + PTS["kv_bytes_per_token"]
+    assert "REDUCED (a test)" in res["extra_data"]["sandbox"]
 
 
 def test_torch_pin_excludes_the_weights_only_loader_cve():
