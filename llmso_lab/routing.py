@@ -101,7 +101,8 @@ class PrefixAware(Router):
         super().__init__(num_replicas)
         if vnodes < 1:
             raise ValueError(f"vnodes must be >= 1, got {vnodes}")
-        ring = sorted((stable_hash(f"replica-{r}-vnode-{v}".encode()), r) for r in range(num_replicas) for v in range(vnodes))
+        ring = sorted((stable_hash(f"replica-{r}-vnode-{v}".encode()), r)
+                      for r in range(num_replicas) for v in range(vnodes))
         self.points = [p for p, _ in ring]
         self.owners = [r for _, r in ring]
 

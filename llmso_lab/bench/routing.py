@@ -201,7 +201,8 @@ def run(quick: bool = False, *, engine: dict | None = None, sim: dict | None = N
                        f"{tag}_ttft_p99_prefix_aware_over_bounded": pa["ttft_p99_s"] / pb["ttft_p99_s"],
                        f"{tag}_ttft_p99_round_robin_over_bounded": rr["ttft_p99_s"] / pb["ttft_p99_s"]})
     return {"name": "routing", "table": table, "ratios": {k: round(v, 3) for k, v in ratios.items()},
-            "device": _device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": _device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "llmso-lab bench routing" + (" --quick" if quick else ""),
             "engine_workload": {**ecfg, "model": "tiny-llama", "arrival_rate_per_s": round(rate, 2)},
             "sim_workload": {**scfg, "replica": "Llama-3-8B bf16 on L4 (roofline)",
