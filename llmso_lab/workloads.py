@@ -7,6 +7,7 @@ Every generator is deterministic for a given seed. The engine and the simulator 
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import math
 from dataclasses import asdict, dataclass, fields
@@ -15,8 +16,12 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Request", "poisson_arrivals", "uniform_lengths", "make_workload", "mixed_workload",
+__all__ = ["Request", "poisson_arrivals", "uniform_lengths", "lognormal_lengths", "make_workload", "mixed_workload",
+           "chat_length_mix", "write_chat_lengths",
+           "SharedPrefixRequest", "zipf_weights", "shared_prefix_workload", "load_chat_lengths", "CHAT_LENGTHS_PATH",
            "load_trace", "save_trace", "RequestMetrics", "percentiles", "latency_summary"]
+
+CHAT_LENGTHS_PATH = Path(__file__).resolve().parents[1] / "data" / "workloads" / "chat_lengths.json"
 
 
 @dataclass(slots=True)
@@ -37,6 +42,20 @@ class Request:
             raise ValueError(f"request {self.request_id}: arrival_time must be >= 0, got {self.arrival_time}")
 
 
+@dataclass(slots=True)
+class SharedPrefixRequest(Request):
+    """A request whose prompt starts with shared prefix `prefix_id` (a system prompt) of `prefix_len` tokens."""
+
+    prefix_id: int = 0
+    prefix_len: int = 0
+
+    def __post_init__(self) -> None:
+        Request.__post_init__(self)
+        if not 0 <= self.prefix_len <= self.prompt_len:
+            raise ValueError(f"request {self.request_id}: prefix_len must be in [0, prompt_len={self.prompt_len}], "
+                             f"got {self.prefix_len}")
+
+
 def poisson_arrivals(rate: float, n: int, seed: int = 0, start: float = 0.0) -> list[float]:
     """Arrival times (s) of `n` requests from a Poisson process of `rate` requests/s.
 
@@ -55,6 +74,88 @@ def uniform_lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
     if not 1 <= low <= high:
         raise ValueError(f"need 1 <= low <= high, got low={low}, high={high}")
     return np.random.default_rng(seed).integers(low, high + 1, size=n).tolist()
+
+
+def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int, seed: int = 0) -> list[int]:
+    """`n` integer lengths from a log-normal (median `median`, log-space spread `sigma`), rounded and clipped
+    to [low, high]. Long-tailed like real chat traffic: most requests short, a few very long."""
+    if not 1 <= low <= high or median <= 0 or sigma < 0:
+        raise ValueError(f"need 1 <= low <= high, median > 0 and sigma >= 0; got low={low}, high={high}, "
+                         f"median={median}, sigma={sigma}")
+    x = np.random.default_rng(seed).lognormal(math.log(median), sigma, size=n)
+    return np.clip(np.rint(x), low, high).astype(int).tolist()
+
+
+def chat_length_mix(n: int = 1000, prompt_median: float = 100.0, prompt_sigma: float = 1.0,
+                    output_median: float = 250.0, output_sigma: float = 0.8, max_model_len: int = 2048,
+                    max_tokens: int = 1024, seed: int = 0) -> list[tuple[int, int]]:
+    """`n` (prompt_len, output_len) pairs of chat-like traffic: independent log-normal prompt and output lengths,
+    outputs clipped to `max_tokens`, prompts to what leaves room for the output within `max_model_len`.
+
+    The defaults (those of `data/workloads/chat_lengths.json`) put the means near what the vLLM paper (Kwon et
+    al., SOSP 2023, Fig. 11) reports for ShareGPT conversations, about 161 prompt and 338 output tokens; the
+    spreads (sigma) are our choice.
+    """
+    if max_tokens >= max_model_len:
+        raise ValueError(f"max_tokens={max_tokens} must be < max_model_len={max_model_len} to leave room for a prompt")
+    rng = np.random.default_rng(seed)
+    s_pr, s_out = rng.integers(0, 2**31, size=2).tolist()   # one stream per quantity
+    outputs = lognormal_lengths(n, output_median, output_sigma, 1, max_tokens, seed=s_out)
+    prompts = lognormal_lengths(n, prompt_median, prompt_sigma, 1, max_model_len - 1, seed=s_pr)
+    return [(min(p, max_model_len - o), o) for p, o in zip(prompts, outputs)]
+
+
+def write_chat_lengths(path: str | Path = CHAT_LENGTHS_PATH) -> Path:
+    """(Re)generate `data/workloads/chat_lengths.json` with `chat_length_mix`'s defaults (seeded: the same file
+    every time)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    params = {k: v.default for k, v in inspect.signature(chat_length_mix).parameters.items()}
+    pairs = chat_length_mix(**params)
+    doc = {"description": "chat-like KV length mix: [prompt_len, output_len] per request, log-normal, seeded",
+           "generator": "llmso_lab.workloads.chat_length_mix", "regenerate": "llmso_lab.workloads.write_chat_lengths()",
+           "params": params, "mean_prompt_len": round(float(np.mean([p for p, _ in pairs])), 1),
+           "mean_output_len": round(float(np.mean([o for _, o in pairs])), 1), "lengths": pairs}
+    text = json.dumps({k: v for k, v in doc.items() if k != "lengths"}, indent=1)[:-2]
+    rows = ",\n  ".join(f"[{p}, {o}]" for p, o in pairs)     # one request per line: readable diffs
+    path.write_text(f'{text},\n "lengths": [\n  {rows}\n ]\n}}\n')
+    return path
+
+
+def load_chat_lengths(path: str | Path = CHAT_LENGTHS_PATH) -> tuple[list[tuple[int, int]], dict]:
+    """The chat length mix: ([(prompt_len, output_len), ...], its params incl. max_model_len and max_tokens)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path} is missing: regenerate it with llmso_lab.workloads.write_chat_lengths()")
+    doc = json.loads(path.read_text())
+    return [(int(p), int(o)) for p, o in doc["lengths"]], doc["params"]
+
+
+def zipf_weights(n: int, s: float) -> np.ndarray:
+    """Popularity of `n` items under Zipf's law: the k-th most popular (k = 1..n) has weight 1/k^s, normalised."""
+    if n < 1 or s < 0:
+        raise ValueError(f"need n >= 1 and s >= 0, got n={n}, s={s}")
+    w = 1.0 / np.arange(1, n + 1) ** s
+    return w / w.sum()
+
+
+def shared_prefix_workload(n: int, num_prefixes: int, rate: float, zipf_s: float = 1.0,
+                           prefix_len: tuple[int, int] = (256, 2048), suffix_median: float = 50.0,
+                           output_median: float = 150.0, sigma: float = 0.8, max_len: int = 1024,
+                           seed: int = 0) -> list[SharedPrefixRequest]:
+    """`n` requests, each = one of `num_prefixes` system prompts (Zipf popularity, exponent `zipf_s`; prefix 0 the
+    most popular; its length uniform in `prefix_len`, fixed per prefix) + its own log-normal suffix (median
+    `suffix_median`), with a log-normal output (median `output_median`); both clipped to [1, max_len]. Poisson
+    arrivals at `rate` requests/s."""
+    rng = np.random.default_rng(seed)
+    s_arr, s_pick, s_plen, s_suf, s_out = rng.integers(0, 2**31, size=5).tolist()   # one stream per quantity
+    lens = np.random.default_rng(s_plen).integers(prefix_len[0], prefix_len[1] + 1, size=num_prefixes)
+    picks = np.random.default_rng(s_pick).choice(num_prefixes, size=n, p=zipf_weights(num_prefixes, zipf_s))
+    suffix = lognormal_lengths(n, suffix_median, sigma, 1, max_len, seed=s_suf)
+    output = lognormal_lengths(n, output_median, sigma, 1, max_len, seed=s_out)
+    arrivals = poisson_arrivals(rate, n, s_arr)
+    return [SharedPrefixRequest(i, arrivals[i], int(lens[k]) + suffix[i], output[i], prefix_id=int(k),
+                                prefix_len=int(lens[k])) for i, k in enumerate(picks.tolist())]
 
 
 def make_workload(n: int, rate: float = math.inf, prompt_len: tuple[int, int] = (32, 512),

@@ -1,4 +1,5 @@
-"""KV-cache management: the paged block manager (ref counts, free list, prefix hash chain, swap)."""
+"""KV-cache management: the paged block manager (ref counts, free list, prefix hash chain, swap) and, in
+`llmso_lab.kv.fragmentation`, the waste of contiguous vs paged allocation."""
 from llmso_lab.kv.block_manager import Block, BlockManager, hash_block
 
 __all__ = ["Block", "BlockManager", "hash_block"]

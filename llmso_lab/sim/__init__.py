@@ -1,5 +1,7 @@
-"""Serving simulator: a roofline cost model of one engine step and a discrete-event engine on top."""
+"""Serving simulator: a roofline cost model of one engine step, a discrete-event engine on top, and a cluster of
+replicas with prefix caches behind a router (`cluster`)."""
 from llmso_lab.sim.budget import plan_token_budget, prefill_chunk
+from llmso_lab.sim.cluster import ClusterConfig, ClusterResult, simulate_cluster
 from llmso_lab.sim.calibrate import calibrate, cpu_profile, relative_errors
 from llmso_lab.sim.calibrate import EngineRun, EngineStepRecord, records_from_engine_traces, run_on_engine
 from llmso_lab.sim.calibrate import StepDecisions, decisions_from_engine_traces, decisions_from_sim
@@ -17,4 +19,5 @@ __all__ = [
     "lecture_requests", "lecture_slot_grids", "static_slot_grid", "continuous_slot_grid", "slot_utilization", "trace_slot_grid", "PreemptionCosts", "preemption_costs",
     "plan_token_budget", "prefill_chunk", "EngineStepRecord", "records_from_engine_traces", "EngineRun", "run_on_engine",
     "StepDecisions", "decisions_from_engine_traces", "decisions_from_sim",
+    "ClusterConfig", "ClusterResult", "simulate_cluster",
 ]
