@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from llmso_lab.grading import exercises, labs
+from llmso_lab.grading import exercises, get_exercise, labs
 from llmso_lab.grading.grader import expected_values, grade_notebook
 from llmso_lab.grading.notebook import exercise_cell_source, make_student_notebook
 from llmso_lab.grading.release import check_labs
@@ -115,7 +115,7 @@ def test_adversarial_submission_loses_exactly_that_exercise(tmp_path, kind):
     res = grade_notebook(path, timeout_s=30)  # generous for a loaded machine; only the infinite loop waits it out
     tests = by_name(res)
     assert tests["roofline_time"]["score"] == 0, tests["roofline_time"]
-    assert res["score"] == 80, json.dumps(res, indent=1)
+    assert res["score"] == 100 - get_exercise("roofline_time").points, json.dumps(res, indent=1)
     out = tests["roofline_time"]["output"]
     expect = {"infinite_loop": "timed out", "sys_exit_inside": "sys.exit", "os_exit_inside": "os._exit",
               "allocate_50GB": "memory", "calls_the_reference": "TRIPWIRE", "deleted_cell": "no code cell defines",
@@ -139,9 +139,10 @@ def test_results_file_cannot_be_forged_and_cli_exits_zero(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(results.read_text())
-    assert data["score"] == 80 and len(data["tests"]) == 5
+    rest = 100 - get_exercise("roofline_time").points
+    assert data["score"] == rest and len(data["tests"]) == len(exercises("00"))
     assert {"name", "score", "max_score", "output", "visibility"} <= set(data["tests"][0])
-    assert "total" in proc.stdout and "80.00" in proc.stdout
+    assert "total" in proc.stdout and f"{rest:.2f}" in proc.stdout
 
 
 def test_bad_submission_gets_a_clear_error(tmp_path):

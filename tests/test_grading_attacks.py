@@ -22,9 +22,11 @@ import torch
 from llmso_lab.grading import check, get_exercise, sandbox
 from llmso_lab.grading.compare import close, exact, guard, same_distribution
 from llmso_lab.grading.grader import grade_notebook
-from llmso_lab.grading.registry import Case, Exercise, register
+from llmso_lab.grading.registry import Case, Exercise, exercises, register
 from llmso_lab.grading.tripwire import PACKAGE_DIR, tripwire, why_not_disableable
 from lab_variants import ROOT, notebook_with
+
+PTS = {e.name: e.points for e in exercises("00")}   # lab 00 points, as the registry sets them
 
 FIXTURES = Path(__file__).parent / "grading_fixtures"
 isolated = pytest.mark.skipif(not sandbox.isolation().isolated,
@@ -91,7 +93,7 @@ def test_submission_cannot_read_solutions_or_hidden_checks(tmp_path):
         """}, only=["roofline_time", "kv_bytes_per_token"])
     assert tests["roofline_time"]["score"] == 0, tests["roofline_time"]
     assert "nothing to copy (no hidden checks; 0 notebooks)" in tests["roofline_time"]["output"]
-    assert tests["kv_bytes_per_token"]["score"] == 20
+    assert tests["kv_bytes_per_token"]["score"] == PTS["kv_bytes_per_token"]
 
 
 @isolated
@@ -113,7 +115,7 @@ def test_submission_cannot_change_the_grader(tmp_path):
             """}, only=["roofline_time"])
         assert not planted.exists(), "the submission wrote into the instructor's package"
         assert (PACKAGE_DIR / "grading" / "compare.py").read_bytes() == before
-        assert tests["roofline_time"]["score"] == 20   # a correct answer is still a correct answer
+        assert tests["roofline_time"]["score"] == PTS["roofline_time"]   # a correct answer is still a correct answer
     finally:
         planted.unlink(missing_ok=True)
 
@@ -150,7 +152,7 @@ def test_detached_processes_do_not_outlive_the_exercise(tmp_path, level):
                 os._exit(0)
             return max(flops / peak_flops, bytes_moved / bandwidth)
         """}, only=["roofline_time"])
-    assert tests["roofline_time"]["score"] == 20, tests["roofline_time"]["output"]
+    assert tests["roofline_time"]["score"] == PTS["roofline_time"], tests["roofline_time"]["output"]
     assert level in res["extra_data"]["sandbox"]
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.strip()
     assert left == "", f"processes left behind: {left}"
@@ -175,7 +177,7 @@ def test_fork_bomb_is_bounded_and_cleaned_up(tmp_path, level):
         """}, only=["roofline_time", "kv_bytes_per_token"])
     forks = int(float(re.search(r"got ([0-9.e+]+)", tests["roofline_time"]["output"]).group(1)))
     assert forks < sandbox.PIDS_MAX, f"the submission started {forks} processes"
-    assert tests["roofline_time"]["score"] == 0 and tests["kv_bytes_per_token"]["score"] == 20
+    assert tests["roofline_time"]["score"] == 0 and tests["kv_bytes_per_token"]["score"] == PTS["kv_bytes_per_token"]
     assert sandbox_processes() == []
 
 
@@ -194,7 +196,7 @@ def test_submission_cannot_kill_the_grader(tmp_path, level):
     proc = subprocess.run([sys.executable, "-m", "llmso_lab.cli", "grade", str(path), "--json", str(out),
                            "--exercise", "roofline_time"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
-    assert json.loads(out.read_text())["score"] == 20
+    assert json.loads(out.read_text())["score"] == PTS["roofline_time"]
 
 
 def test_results_file_is_written_after_the_submission_is_gone(tmp_path):
@@ -330,10 +332,10 @@ def test_reloading_re_executing_or_respawning_the_reference_scores_nothing(tmp_p
         def kv_bytes_per_token(num_layers, num_kv_heads, head_dim, bytes_per_elem=2):
             shape = ModelShape("any", num_layers, num_kv_heads * head_dim, num_kv_heads, num_kv_heads, head_dim, 1, 1)
             return shape.kv_bytes_per_token(bytes_per_elem)   # the same formula, elsewhere in the library
-        """}, only=["roofline_time", "kv_bytes_per_token", "decode_bytes_per_step"])
+        """}, only=["roofline_time", "kv_bytes_per_token", "compute_bound_tokens"])
     assert tests["roofline_time"]["score"] == 0 and "TRIPWIRE" in tests["roofline_time"]["output"]
     assert tests["kv_bytes_per_token"]["score"] == 0 and "TRIPWIRE" in tests["kv_bytes_per_token"]["output"]
-    assert tests["decode_bytes_per_step"]["score"] == 15
+    assert tests["compute_bound_tokens"]["score"] == PTS["compute_bound_tokens"]
 
 
 def test_closures_and_decorated_references_are_tripwired(monkeypatch):
@@ -382,7 +384,7 @@ def test_a_renamed_copy_of_the_library_is_reported_to_the_instructor_only(tmp_pa
 def test_reduced_sandbox_grades_the_same_and_says_it_is_reduced(tmp_path, monkeypatch):
     monkeypatch.setattr(sandbox, "_ISOLATION", sandbox.Isolation("reduced", "a test"))
     tests, res = graded(tmp_path, "00", {}, only=["roofline_time", "kv_bytes_per_token"])
-    assert res["score"] == 40 and "REDUCED (a test)" in res["extra_data"]["sandbox"]
+    assert res["score"] == PTS["roofline_time"] + PTS["kv_bytes_per_token"] and "REDUCED (a test)" in res["extra_data"]["sandbox"]
 
 
 def test_torch_pin_excludes_the_weights_only_loader_cve():
