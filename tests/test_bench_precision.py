@@ -32,7 +32,7 @@ def test_bench_precision_structure():
     assert set(res["targets"]) == {"continuous throughput >= 1.5x fp32", "TTFT p50 >= 1.5x lower"}
     assert res["chat_agreement"] == {}   # the tiny model has no tokenizer
     json.dumps(res)
-    assert {"device", "date", "command", "auto_dtype", "native"} <= set(res)
+    assert {"device", "date", "command", "auto_dtype", "cpu_flags"} <= set(res)
 
 
 def test_roofline_bound_counts_prefill_flops_and_the_fewest_decode_steps():

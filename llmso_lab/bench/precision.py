@@ -137,7 +137,8 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
         measure_seconds: float | None = None, **overrides) -> dict:
     """Run the precision benchmark (quick=True: a smaller workload, a few minutes on 2 cores).
 
-    `dtypes`: default float32 and bfloat16, plus float16 where this CPU multiplies it natively. `overrides`
+    `dtypes`: default float32 and bfloat16, plus float16 where this CPU's flags say it multiplies it natively
+    (flags are not speed: AVX512-FP16 CPUs still run the engine's fp16 slower than fp32 here). `overrides`
     replace entries of FULL/QUICK (the tests use `model="tiny-llama"` and tiny sizes)."""
     from llmso_lab.engine import LLM
     from llmso_lab.models import load_model
@@ -192,7 +193,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
                                       B, shape, dt.itemsize, peak, cpu.mem_bandwidth)
         row.update(matmul_TFLOP_s=round(peak / 1e12, 3), roofline_bound_tok_s=round(bound, 1),
                    roofline_share=round(share, 3),
-                   native="-" if dt == torch.float32 else ("yes" if native[dt][0] else "no (emulated)"))
+                   cpu_flags="-" if dt == torch.float32 else ("native" if native[dt][0] else "none (emulated)"))
         rows.append(row)
     chat = {}
     if "bfloat16" in engines and tokenizer is not None:
@@ -218,7 +219,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
             "workload": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
             "targets": {"continuous throughput >= 1.5x fp32": ratios.get("bf16_vs_fp32_continuous_throughput", 0) >= 1.5,
                         "TTFT p50 >= 1.5x lower": ratios.get("fp32_over_bf16_ttft_p50", 0) >= 1.5},
-            "chat_agreement": chat, "native": {str(d)[6:]: why for d, (_, why) in native.items()},
+            "chat_agreement": chat, "cpu_flags": {str(d)[6:]: why for d, (_, why) in native.items()},
             "auto_dtype": hw.auto_dtype("cpu")[1], "memory_bandwidth_GB_s": round(cpu.mem_bandwidth / 1e9, 2),
             "load_avg": [round(x, 2) for x in os.getloadavg()],
             "note": "CPU figures; the machine may be shared with other jobs (see load_avg)."}
