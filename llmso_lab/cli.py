@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -15,6 +16,7 @@ from pathlib import Path
 def _cmd_env(args) -> int:
     import torch
 
+    from llmso_lab import hardware as hw
     from llmso_lab.models import cache_dir, is_cached, model_dir
 
     try:
@@ -28,6 +30,12 @@ def _cmd_env(args) -> int:
             ("cpu threads", str(torch.get_num_threads())), ("cache", str(cache_dir())),
             ("smollm2-135m", f"ready ({model_dir('smollm2-135m')})" if is_cached("smollm2-135m")
              else "not fetched yet: run `llmso-lab model fetch`")]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for dtype in (torch.bfloat16, torch.float16):
+        native, why = hw.native_matmul(dtype, device)
+        rows.append((f"{str(dtype)[6:]} matmul", f"{'native' if native else 'emulated'}: {why}"))
+    auto, why = hw.auto_dtype(device)
+    rows.append(("LLM(dtype='auto')", why))
     for k, v in rows:
         print(f"{k:<18} {v}")
     return 0
@@ -114,7 +122,13 @@ def _cmd_bench(args) -> int:
                        if p.name.endswith(".py") and not p.name.startswith("_"))
         print(f"error: unknown benchmark {name!r}; available: {', '.join(known)}", file=sys.stderr)
         return 2
-    res = mod.run(quick=args.quick)
+    kwargs = {}
+    if args.dtype:
+        if "dtype" not in inspect.signature(mod.run).parameters:
+            print(f"error: benchmark {name!r} has no --dtype", file=sys.stderr)
+            return 2
+        kwargs["dtype"] = args.dtype
+    res = mod.run(quick=args.quick, **kwargs)
     res.setdefault("command", " ".join(["llmso-lab", *sys.argv[1:]]))
     res.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))
     print_table(res.get("table", []))
@@ -163,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name")
     b.add_argument("--quick", action="store_true", help="smaller workload (about a minute)")
     b.add_argument("--json", help="write the figures to this JSON file")
+    b.add_argument("--dtype", help="engine dtype where the benchmark takes one (batching): auto, float32, bfloat16, float16")
     b.set_defaults(fn=_cmd_bench)
     r = sub.add_parser("release", help="generate labs/ from solutions/ and build the student bundle")
     r.add_argument("--out", help="write the student bundle here")

@@ -5,6 +5,7 @@ tensor-core math (no 2:4 sparsity), the number a serving engineer should plan wi
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from typing import Sequence
 import torch
 
 __all__ = [
-    "Accelerator", "ACCELERATORS", "get_accelerator", "set_lab_threads", "measure_cpu",
+    "Accelerator", "ACCELERATORS", "get_accelerator", "set_lab_threads", "measure_cpu", "measure_matmul",
+    "cpu_flags", "native_matmul", "auto_dtype", "bf16_matmul_speedup", "precision_speedup",
     "matmul_flops", "matmul_arithmetic_intensity", "ridge_point", "attainable_flops", "compute_bound_tokens",
     "roofline_time", "kv_bytes_per_token", "decode_bytes_per_step", "decode_tokens_per_s_bound",
 ]
@@ -22,7 +24,7 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class Accelerator:
     name: str
-    peak_flops: float        # dense bf16 FLOP/s (fp32 for a CPU)
+    peak_flops: float        # dense bf16 FLOP/s (a measured CPU: its measured dtype's, fp32 by default)
     mem_bandwidth: float     # HBM (or DRAM) bytes/s
     mem_bytes: float         # device memory in bytes
     interconnect: str        # GPU<->GPU link
@@ -76,39 +78,127 @@ def set_lab_threads(num_threads: int | None = None) -> int:
     return n
 
 
-def measure_cpu(seconds: float = 2.0, matmul_sizes: Sequence[int] = (256, 512, 1024), copy_mb: int = 256) -> Accelerator:
-    """Measure this machine's fp32 matmul FLOP/s and memory copy bandwidth (read + write bytes).
+def measure_matmul(dtype: torch.dtype = torch.float32, seconds: float = 1.0,
+                   sizes: Sequence[int] = (256, 512, 1024)) -> float:
+    """This CPU's matrix ceiling in `dtype`: the best FLOP/s of one square matmul over `sizes` (the best size
+    wins; outputs preallocated, so no page faults are timed), taking about `seconds` at torch's thread count.
 
-    Both are ceilings, so both are the best single run, not an average (a run that another process
-    interrupted says nothing about the hardware): FLOP/s over square matmuls of each size in
-    `matmul_sizes` (the best size wins; outputs preallocated, so no page faults are timed), bandwidth
-    over copies of `copy_mb` MiB. Takes about `seconds`, at the thread count torch uses now
-    (see `set_lab_threads`); the name says that count.
+    `torch.int8` times `torch._int_mm` (int8 x int8 -> int32, what W8A8 runs) and returns integer ops/s.
     """
-    peak, budget = 0.0, seconds / 2 / len(matmul_sizes)
-    for size in matmul_sizes:
-        a, b, c = torch.randn(size, size), torch.randn(size, size), torch.empty(size, size)
-        torch.mm(a, b, out=c)  # warm up
-        n, best, t_end = 0, float("inf"), time.perf_counter() + budget
-        while time.perf_counter() < t_end or n < 3:
-            t0 = time.perf_counter()
-            torch.mm(a, b, out=c)
-            best = min(best, time.perf_counter() - t0)
-            n += 1
-        peak = max(peak, matmul_flops(size, size, size) / best)
+    budget, best_rate = seconds / len(sizes), 0.0
+    for size in sizes:
+        if dtype == torch.int8:
+            a, b = (torch.randint(-128, 128, (size, size), dtype=torch.int8) for _ in range(2))
+            c = torch.empty(size, size, dtype=torch.int32)
+            op = lambda: torch._int_mm(a, b, out=c)  # noqa: E731
+        else:
+            a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+            c = torch.empty(size, size, dtype=dtype)
+            op = lambda: torch.mm(a, b, out=c)  # noqa: E731
+        best = _best_seconds(op, budget)
+        best_rate = max(best_rate, matmul_flops(size, size, size) / best)
+    return best_rate
 
-    src = torch.ones(copy_mb * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm up: first touch of the pages
-    n, best, t_end = 0, float("inf"), time.perf_counter() + seconds / 2
-    while time.perf_counter() < t_end or n < 3:
+
+def _best_seconds(op, budget_s: float, min_runs: int = 3) -> float:
+    """Fastest of repeated `op()` calls over about `budget_s` seconds (after one untimed warm-up call)."""
+    op()
+    n, best, t_end = 0, float("inf"), time.perf_counter() + budget_s
+    while time.perf_counter() < t_end or n < min_runs:
         t0 = time.perf_counter()
-        dst.copy_(src)
+        op()
         best = min(best, time.perf_counter() - t0)
         n += 1
-    bw = 2 * src.numel() * 4 / best  # a copy reads and writes every byte
+    return best
+
+
+def measure_cpu(seconds: float = 2.0, matmul_sizes: Sequence[int] = (256, 512, 1024), copy_mb: int = 256,
+                dtype: torch.dtype = torch.float32) -> Accelerator:
+    """Measure this machine's matmul FLOP/s in `dtype` (`measure_matmul`) and memory copy bandwidth.
+
+    Both are ceilings, so both are the best single run, not an average (a run that another process
+    interrupted says nothing about the hardware): bandwidth is read + write bytes over copies of `copy_mb`
+    MiB. Takes about `seconds`, at the thread count torch uses now (see `set_lab_threads`); the name says
+    that count (and the dtype when it is not fp32).
+    """
+    peak = measure_matmul(dtype, seconds / 2, matmul_sizes)
+    src = torch.ones(copy_mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), seconds / 2)  # a copy reads and writes every byte
     threads = torch.get_num_threads()
-    return Accelerator(f"this-cpu ({threads} thread{'s' if threads > 1 else ''})", peak, bw, 0.0, "none", 0.0, 0.0, 0)
+    tag = "" if dtype == torch.float32 else f", {str(dtype).removeprefix('torch.')}"
+    return Accelerator(f"this-cpu ({threads} thread{'s' if threads > 1 else ''}{tag})", peak, bw, 0.0, "none", 0.0, 0.0, 0)
+
+
+# ---- precision: which dtype runs natively here --------------------------------------------------------
+# x86 matrix (AMX) and vector (AVX-512) units that multiply these dtypes natively; without them torch converts
+# to fp32 and back around every matmul
+NATIVE_CPU_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS or Windows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+def native_matmul(dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[bool, str]:
+    """Does `device` multiply `dtype` (bf16 or fp16) matrices natively? (yes/no, why). CUDA asks the driver
+    (bf16 needs sm_80+); a CPU needs one of `NATIVE_CPU_FLAGS[dtype]` among its flags."""
+    device, name = torch.device(device), str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        ok = torch.cuda.is_bf16_supported() if dtype == torch.bfloat16 else major >= 7
+        return ok, f"{torch.cuda.get_device_name(device)} (sm_{major}{minor}) {'has' if ok else 'lacks'} {name} tensor cores"
+    if device.type != "cpu":
+        return False, f"no {name} detection for {device.type} devices"
+    flags = NATIVE_CPU_FLAGS[dtype]
+    units = [f for f in flags if f in cpu_flags()]
+    cap = torch.backends.cpu.get_cpu_capability()
+    if units:
+        return True, f"the CPU has {' and '.join(units)} (torch CPU capability {cap})"
+    return False, f"the CPU has neither {' nor '.join(flags)} (torch CPU capability {cap}): {name} matmuls are emulated"
+
+
+@functools.lru_cache(maxsize=None)
+def auto_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
+    """What `LLM(dtype="auto")` runs on `device` ("cpu" or "cuda"), and why.
+
+    bf16 where the hardware multiplies it natively, fp32 elsewhere. On a CPU whose flags say bf16, the
+    choice is also measured (`bf16_matmul_speedup`) so that "auto" is never silently slower than fp32: bf16
+    is kept only if its matmuls win at 16 and at 256 rows (a decode batch, a prefill). One row (batch-1
+    decode) is reported but not required: there the bf16 matrix-vector kernel can lose to fp32 although it
+    reads half the bytes (`llmso-lab bench precision` measures it).
+    """
+    ok, why = native_matmul(torch.bfloat16, device)
+    if not ok:
+        return torch.float32, f"float32: {why}"
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16, f"bfloat16: {why}"
+    speed = bf16_matmul_speedup()
+    measured = ", ".join(f"{m} row{'s' if m > 1 else ''} {x:.1f}x" for m, x in speed.items())
+    if speed[16] > 1 and speed[256] > 1:
+        note = "" if speed[1] > 1 else "; but 1 row (batch-1 decode) is slower in bf16: its matrix-vector kernel loses"
+        return torch.bfloat16, f"bfloat16: {why}; bf16 matmuls measured vs fp32: {measured}{note}"
+    return torch.float32, f"float32: {why}, but bf16 matmuls measured slower than fp32 ({measured})"
+
+
+def bf16_matmul_speedup(rows: Sequence[int] = (1, 16, 256), k: int = 1024, n: int = 2048,
+                        budget_s: float = 0.02) -> dict[int, float]:
+    """fp32 time / bf16 time of `[rows, k] @ [k, n]` for each row count (best of a few runs each): > 1 means
+    bf16 is faster. About 0.1 s."""
+    out = {}
+    for m in rows:
+        t = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+            c = torch.empty(m, n, dtype=dtype)
+            t[dtype] = _best_seconds(lambda: torch.mm(a, b, out=c), budget_s)
+        out[m] = t[torch.float32] / t[torch.bfloat16]
+    return out
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -144,6 +234,19 @@ def compute_bound_tokens(weight_bytes: float, flops_per_token: float, peak_flops
 def roofline_time(flops: float, bytes_moved: float, peak_flops: float, bandwidth: float) -> float:
     """Lower bound on run time: the slower of doing the math and moving the bytes."""
     return max(flops / peak_flops, bytes_moved / bandwidth)
+
+
+def precision_speedup(new_tokens: int, num_params: float, bytes_from: float, bytes_to: float,
+                      peak_from: float, peak_to: float, bandwidth: float) -> float:
+    """Roofline speed-up of one forward over `new_tokens` tokens when the weights change precision: from
+    `bytes_from` to `bytes_to` bytes per parameter, and the matmul ceiling from `peak_from` to `peak_to` FLOP/s
+    (the memory is the same). Every weight is read once per forward and each token does 2 FLOP per parameter.
+    Returns old time / new time (> 1: faster). Memory-bound forwards (decode) gain the byte ratio,
+    compute-bound ones (prefill) the ceiling ratio."""
+    flops = 2 * num_params * new_tokens
+    before = roofline_time(flops, num_params * bytes_from, peak_from, bandwidth)
+    after = roofline_time(flops, num_params * bytes_to, peak_to, bandwidth)
+    return before / after
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: float = 2) -> int:

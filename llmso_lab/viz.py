@@ -70,21 +70,27 @@ def plot_slot_grid(grid: np.ndarray, title: str = "", max_labelled_iters: int = 
     return fig
 
 
-def plot_roofline(hardware: Accelerator, points: Sequence[tuple] = (), intensity_range: tuple[float, float] | None = None) -> Figure:
+def plot_roofline(hardware: Accelerator, points: Sequence[tuple] = (), intensity_range: tuple[float, float] | None = None,
+                  extra_roofs: Mapping[str, float] | None = None) -> Figure:
     """Log-log roofline of `hardware` with its ridge point.
 
     points: (label, intensity FLOP/byte) or (label, intensity, achieved FLOP/s); without a measured
-    rate a point sits on the roof.
+    rate a point sits on the roof. extra_roofs: more compute ceilings on the same memory, {label: FLOP/s}
+    (e.g. the bf16 and int8 matmul rates next to fp32), each drawn with its own ridge.
     """
     peak, bw = hardware.peak_flops, hardware.mem_bandwidth
-    lo, hi = intensity_range or (min([0.1] + [p[1] / 3 for p in points]), max([hardware.ridge * 30] + [p[1] * 3 for p in points]))
+    roofs = {f"{hardware.name} roof": peak, **(extra_roofs or {})}
+    top_ridge = max(roofs.values()) / bw
+    lo, hi = intensity_range or (min([0.1] + [p[1] / 3 for p in points]), max([top_ridge * 30] + [p[1] * 3 for p in points]))
     x = np.geomspace(lo, hi, 200)
     fig = LabFigure(figsize=(6.5, 4.2))
     ax = fig.add_subplot()
-    ax.loglog(x, np.minimum(peak, x * bw), color="k", lw=2, label=f"{hardware.name} roof")
-    ax.axvline(hardware.ridge, color="0.5", ls="--", lw=1)
-    ax.annotate(f"ridge {hardware.ridge:.0f} FLOP/B", (hardware.ridge, peak), textcoords="offset points",
-                xytext=(5, -14), fontsize=8, color="0.3")
+    for i, (label, roof) in enumerate(roofs.items()):
+        colour = "k" if i == 0 else f"C{i + 6}"
+        ax.loglog(x, np.minimum(roof, x * bw), color=colour, lw=2 if i == 0 else 1.5, label=label)
+        ax.axvline(roof / bw, color=colour, ls="--", lw=1, alpha=0.6)
+        ax.annotate(f"ridge {roof / bw:.0f} FLOP/B", (roof / bw, roof), textcoords="offset points",
+                    xytext=(5, -14), fontsize=8, color="0.3")
     for label, intensity, *achieved in points:
         y = achieved[0] if achieved else min(peak, intensity * bw)
         ax.plot(intensity, y, "o")

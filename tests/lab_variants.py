@@ -56,6 +56,22 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    seconds_per_step = (weight_bytes + batch * context_len * kv_bytes_per_token) / bandwidth\n"
                   "    return batch * (1.0 / seconds_per_step)\n"],
     },
+    "lab00/precision_speedup": {
+        "wrong": ["def precision_speedup(new_tokens, num_params, bytes_from, bytes_to, peak_from, peak_to, bandwidth):\n"
+                  "    return peak_to / peak_from  # 'bf16 is 10x faster', whatever the forward\n",
+                  "def precision_speedup(new_tokens, num_params, bytes_from, bytes_to, peak_from, peak_to, bandwidth):\n"
+                  "    flops = 2 * num_params * new_tokens  # math and memory do not overlap\n"
+                  "    return (flops / peak_from + num_params * bytes_from / bandwidth) / "
+                  "(flops / peak_to + num_params * bytes_to / bandwidth)\n",
+                  "def precision_speedup(new_tokens, num_params, bytes_from, bytes_to, peak_from, peak_to, bandwidth):\n"
+                  "    return bytes_from / bytes_to  # half the bytes, twice as fast, even for a prefill\n"],
+        "right": ["def precision_speedup(new_tokens, num_params, bytes_from, bytes_to, peak_from, peak_to, bandwidth):\n"
+                  "    def forward_s(nbytes, peak):\n"
+                  "        read_s = num_params * nbytes / bandwidth\n"
+                  "        n_star = read_s / (2 * num_params / peak)  # tokens whose math takes as long as the read\n"
+                  "        return read_s if new_tokens <= n_star else 2 * num_params * new_tokens / peak\n"
+                  "    return forward_s(bytes_from, peak_from) / forward_s(bytes_to, peak_to)\n"],
+    },
     # ---- Lab 01 -------------------------------------------------------------------------------
     "lab01/static_slot_grid": {
         "wrong": ["def static_slot_grid(output_lens, num_slots):\n"

@@ -50,3 +50,26 @@ def test_one_thread_policy(monkeypatch):
         assert hw.set_lab_threads() >= 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_matmul_ceilings_per_dtype_and_native_detection():
+    import torch
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):   # int8: torch._int_mm, int8 x int8 -> int32
+        assert 1e8 < hw.measure_matmul(dtype, seconds=0.1, sizes=(128,)) < 1e15
+    assert hw.measure_cpu(seconds=0.2, matmul_sizes=(128,), copy_mb=8, dtype=torch.bfloat16).name.endswith(", bfloat16)")
+    for dtype in (torch.bfloat16, torch.float16):
+        native, why = hw.native_matmul(dtype, "cpu")
+        flags = hw.NATIVE_CPU_FLAGS[dtype]
+        assert native == any(f in hw.cpu_flags() for f in flags) and ("has" in why if native else "emulated" in why)
+    speed = hw.bf16_matmul_speedup(rows=(4,), k=64, n=64, budget_s=0.001)
+    assert set(speed) == {4} and speed[4] > 0
+
+
+def test_precision_speedup_is_the_byte_ratio_when_memory_bound_and_the_ceiling_ratio_when_compute_bound():
+    params, bw = 1e8, 1e10
+    assert hw.precision_speedup(1, params, 4, 2, 1e11, 1e12, bw) == pytest.approx(2.0)       # decode: bytes
+    assert hw.precision_speedup(4096, params, 4, 2, 1e11, 1e12, bw) == pytest.approx(10.0)   # prefill: ceiling
+    # in between: compute-bound before (2*1e8*64/1e11 = 0.128 s > 0.04 s), memory-bound after (0.02 s > 0.0128 s)
+    assert hw.precision_speedup(64, params, 4, 2, 1e11, 1e12, bw) == pytest.approx(0.128 / 0.02)
+    assert hw.precision_speedup(4096, params, 4, 2, 1e11, 5e10, bw) == pytest.approx(0.5)      # emulated: slower

@@ -1,4 +1,5 @@
-"""Benchmark for lecture 1-1: static vs continuous batching on a real model (SmolLM2-135M, fp32, CPU).
+"""Benchmark for lecture 1-1: static vs continuous batching on a real model (SmolLM2-135M, CPU; fp32 unless
+`--dtype` says otherwise: the engine and Hugging Face then both run in that dtype).
 
 `run(quick)` returns {"name", "table", "ratios", "device", "date", "command", ...} (see bench/attention.py).
 One offline workload (all requests arrive at t = 0; prompts 32-512 tokens, outputs 16-256, EOS ignored)
@@ -16,7 +17,7 @@ Each row: output tokens/s, TTFT, TPOT and E2E p50/p99, padded tokens, preemption
 
 Then batch-1 decode speed (tokens/s after the first token, median of 3 alternating runs) of the engine vs
 `generate`, printed beside the engine's weight matmuls run alone and the memory-bandwidth ceiling (each
-decode step reads all fp32 weights once; the ceiling is the higher of the copy-bandwidth bound and the
+decode step reads all weights once; the ceiling is the higher of the copy-bandwidth bound and the
 matmuls' own rate, since a read stream can beat a measured copy); `batch1_step_ms` splits each step into
 weight streaming and everything else.
 Ratios (same run): continuous_vs_static, continuous_vs_hf_static (output tokens/s), batch1_vs_hf.
@@ -149,7 +150,7 @@ def _matmuls_only(runner, steps: int = 8) -> float:
 
 
 def _batch1(model, tokenizer, prompt: list[int], new_tokens: int, pad_id: int, max_model_len: int,
-            repeats: int = 3) -> tuple[float, float, float]:
+            repeats: int = 3, dtype: str = "float32") -> tuple[float, float, float]:
     """Decode tokens/s at batch 1 (after the first token) of the engine, of HF `generate`, and of the
     engine's weight matmuls alone (`_matmuls_only`).
 
@@ -158,7 +159,7 @@ def _batch1(model, tokenizer, prompt: list[int], new_tokens: int, pad_id: int, m
     """
     from llmso_lab.engine import LLM, SamplingParams
 
-    llm = LLM(model, tokenizer, max_num_seqs=1, max_model_len=max_model_len)
+    llm = LLM(model, tokenizer, max_num_seqs=1, max_model_len=max_model_len, dtype=dtype)
     engine, hf, matmuls = [], [], []
     for _ in range(repeats):
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=new_tokens, ignore_eos=True),
@@ -174,11 +175,13 @@ def _batch1(model, tokenizer, prompt: list[int], new_tokens: int, pad_id: int, m
 def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int | None = None,
         max_num_seqs: int | None = None, prompt_len: tuple[int, int] | None = None,
         output_len: tuple[int, int] | None = None, batch1_tokens: int | None = None,
-        measure_seconds: float | None = None) -> dict:
+        measure_seconds: float | None = None, dtype: str = "float32") -> dict:
     """Run the batching benchmark (quick=True: 16 requests, batch 8, about a minute on 2 cores).
 
-    The keyword arguments override the workload (the tests use `model="tiny-llama"` and a few requests).
+    The keyword arguments override the workload (the tests use `model="tiny-llama"` and a few requests);
+    `dtype` is the engine's (`LLM(dtype=...)`, "auto" resolved here) and Hugging Face's.
     """
+    from llmso_lab.engine.config import resolve_dtype
     from llmso_lab.models import load_model
 
     cfg = dict(QUICK if quick else FULL)
@@ -186,7 +189,10 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
                      output_len=output_len, batch1_tokens=batch1_tokens).items():
         if v is not None:
             cfg[k] = v
-    net, tokenizer = load_model(model)
+    requested = dtype
+    torch_dtype, dtype_reason = resolve_dtype(dtype, torch.device("cpu"))
+    dtype = str(torch_dtype).removeprefix("torch.")
+    net, tokenizer = load_model(model, dtype=torch_dtype)
     pad_id = net.config.pad_token_id if net.config.pad_token_id is not None else 0
     reqs, prompts = workload(cfg["num_requests"], cfg["prompt_len"], cfg["output_len"], net.config.vocab_size)
     max_model_len = min(net.config.max_position_embeddings, cfg["prompt_len"][1] + cfg["output_len"][1] + 16)
@@ -194,7 +200,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
     # warm up both code paths outside the timed runs: first-call allocations and the first large prefill
     # (a full batch of prompts) cost seconds once
     warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:B])]
-    _engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len)
+    _engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len, dtype=dtype)
     _hf_generate(net, prompts[:B], 2, pad_id)
 
     phases = ["engine continuous", "engine static", "HF generate static", "batch-1 decode", "memory bandwidth"]
@@ -202,14 +208,14 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
     with tqdm(total=len(phases), desc="bench batching") as bar:
         for batching in ("continuous", "static"):
             bar.set_postfix_str(f"engine {batching}")
-            table.append(_engine(net, tokenizer, batching, reqs, prompts, B, max_model_len)[0])
+            table.append(_engine(net, tokenizer, batching, reqs, prompts, B, max_model_len, dtype=dtype)[0])
             bar.update()
         bar.set_postfix_str("HF generate")
         table.append(_hf_static(net, reqs, prompts, B, pad_id)[0])
         bar.update()
         bar.set_postfix_str("batch 1")
         n1 = cfg["batch1_tokens"]
-        eng1, hf1, mm1 = _batch1(net, tokenizer, prompts[0][:32], n1, pad_id, max_model_len)
+        eng1, hf1, mm1 = _batch1(net, tokenizer, prompts[0][:32], n1, pad_id, max_model_len, dtype=dtype)
         bar.update()
         bar.set_postfix_str("memory bandwidth")
         cpu = hw.measure_cpu(seconds=measure_seconds if measure_seconds is not None else (1.0 if quick else 2.0))
@@ -217,7 +223,8 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())   # tied head counted once
     c = net.config
     kv_per_token = hw.kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads,
-                                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, 4)
+                                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                                         torch_dtype.itemsize)
     copy_bound = hw.decode_tokens_per_s_bound(weight_bytes, cpu.mem_bandwidth, 1, 32 + n1 // 2, kv_per_token)
     # a copy's measured rate understates what a pure read stream reaches (the matmuls can beat it): the ceiling
     # is whichever of the two is higher
@@ -229,7 +236,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
         {"system": "engine's weight matmuls alone, batch 1", "decode_tok_s": round(mm1, 1),
          "of_ceiling": round(mm1 / ceiling, 2), "note": "every other op of the step taken out"},
         {"system": "memory-bandwidth ceiling, batch 1", "decode_tok_s": round(ceiling, 1), "of_ceiling": 1.0,
-         "note": f"{weight_bytes / 1e6:.0f} MB fp32 weights at {cpu.mem_bandwidth / 1e9:.1f} GB/s (measured copy): "
+         "note": f"{weight_bytes / 1e6:.0f} MB {dtype} weights at {cpu.mem_bandwidth / 1e9:.1f} GB/s (measured copy): "
                  f"{copy_bound:.1f} tok/s" + ("" if copy_bound >= mm1 else "; the matmuls alone went faster")},
     ]
     # one decode step = streaming the weights (the matmuls) + everything else; the second part is what
@@ -245,7 +252,8 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
     }
     return {"name": "batching", "table": table, "ratios": ratios, "device": _device_name(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "llmso-lab bench batching" + (" --quick" if quick else ""),
+            "command": "llmso-lab bench batching" + (" --quick" if quick else "") + (f" --dtype {requested}" if requested != "float32" else ""),
+            "dtype": dtype, "dtype_reason": dtype_reason,
             "model": model, "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
             "memory_bandwidth_GB_s": round(cpu.mem_bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
             "batch1_ceiling_tok_s": round(ceiling, 1), "batch1_step_ms": {k: round(v, 2) for k, v in step_ms.items()},

@@ -109,7 +109,7 @@ class TorchAttentionBackend:
         k = k_cache.index_select(0, group.blocks).view(shape).transpose(1, 2)   # [B, Hkv, S, D]
         v = v_cache.index_select(0, group.blocks).view(shape).transpose(1, 2)
         mask, keys = self._cached(("decode_mask", g, window),
-                                  lambda: self._decode_mask(group.ctx, group.S, window, q.device))
+                                  lambda: self._decode_mask(group.ctx, group.S, window, q.device, q.dtype))
         if keys is not None:   # every sequence has the same context: slice instead of masking
             k, v = k[:, :, keys], v[:, :, keys]
         # GQA without repeating K/V: the G query heads that share a KV head act as G query rows.
@@ -118,15 +118,17 @@ class TorchAttentionBackend:
         return o.reshape(B, self.num_heads, self.head_dim)
 
     @staticmethod
-    def _decode_mask(ctx: list[int], S: int, window: int | None, device: torch.device) -> tuple[Tensor | None, slice | None]:
-        """Additive mask [B, 1, 1, S] (0 = visible, -inf = hidden), or a key slice when no mask is needed."""
+    def _decode_mask(ctx: list[int], S: int, window: int | None, device: torch.device,
+                     dtype: torch.dtype) -> tuple[Tensor | None, slice | None]:
+        """Additive mask [B, 1, 1, S] (0 = visible, -inf = hidden) in the queries' dtype (SDPA wants them equal),
+        or a key slice when no mask is needed."""
         if min(ctx) == max(ctx):
             return None, slice(max(0, ctx[0] - window) if window else 0, ctx[0])
         key_pos, ctx_t = torch.arange(S, device=device)[None, :], torch.tensor(ctx, device=device)[:, None]
         visible = key_pos < ctx_t
         if window is not None:
             visible &= key_pos > ctx_t - 1 - window
-        return torch.zeros(len(ctx), 1, 1, S, device=device).masked_fill_(~visible[:, None, None, :], float("-inf")), None
+        return torch.zeros(len(ctx), 1, 1, S, device=device, dtype=dtype).masked_fill_(~visible[:, None, None, :], float("-inf")), None
 
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata, i: int, window: int | None) -> Tensor:
@@ -139,20 +141,20 @@ class TorchAttentionBackend:
         index = self._cached(("prefill_index", i), lambda: meta.block_tables[i, :-(-ctx // self.block_size)].long())
         kc = k_cache.index_select(0, index).view(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
         vc = v_cache.index_select(0, index).view(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
-        mask = self._cached(("prefill_mask", i, window), lambda: self._prefill_mask(start, n, ctx, window, q.device))
+        mask = self._cached(("prefill_mask", i, window), lambda: self._prefill_mask(start, n, ctx, window, q.device, q.dtype))
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], attn_mask=mask, scale=self.scale,
                                            enable_gqa=True)
         return o[0].transpose(0, 1)
 
     @staticmethod
-    def _prefill_mask(start: int, n: int, ctx: int, window: int | None, device: torch.device) -> Tensor:
-        """Additive mask [n, ctx]: query t (position start + t) sees keys at positions <= start + t.
+    def _prefill_mask(start: int, n: int, ctx: int, window: int | None, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """Additive mask [n, ctx] in `dtype`: query t (position start + t) sees keys at positions <= start + t.
         Padding queries (past ctx) see every key."""
         q_pos, key_pos = torch.arange(start, start + n, device=device)[:, None], torch.arange(ctx, device=device)[None, :]
         visible = key_pos <= q_pos
         if window is not None:
             visible &= key_pos > q_pos - window
-        return torch.zeros(n, ctx, device=device).masked_fill_(~visible, float("-inf"))
+        return torch.zeros(n, ctx, device=device, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 class TritonAttentionBackend(TorchAttentionBackend):

@@ -2,11 +2,14 @@
 sizing that depends on the model. The scheduler and the model runner are built from it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import warnings
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from llmso_lab import hardware as hw
 from llmso_lab.engine.attention import ATTENTION_BACKENDS
 from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block
 from llmso_lab.kv.block_manager import cdiv
@@ -14,6 +17,7 @@ from llmso_lab.policies import POLICIES
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
 PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # and "auto"
 
 
 @dataclass(slots=True)
@@ -35,6 +39,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     sjf_predictor: str | Callable = "oracle"
     sjf_aging: float = 0.0                    # sjf: predicted tokens forgiven per second waited
+    dtype: str = "float32"                    # "auto" | "float32" | "bfloat16" | "float16" (vLLM's --dtype)
+    torch_dtype: torch.dtype | None = field(default=None, init=False)   # what `dtype` resolved to
+    dtype_reason: str = field(default="", init=False)                   # why (for "auto": what was detected)
 
     def __post_init__(self) -> None:
         """Checks that need no model. Raises ValueError listing the valid choices."""
@@ -42,13 +49,20 @@ class EngineConfig:
                             ("preemption_mode", PREEMPTION_MODES), ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
+        if isinstance(self.dtype, torch.dtype):   # vLLM also takes a torch dtype
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"unknown dtype {self.dtype!r}; valid: auto, {', '.join(DTYPES)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
 
-    def resolve(self, model_config, dtype: torch.dtype) -> None:
-        """Fill in max_model_len, num_kv_blocks and swap_space_blocks for this model; check they can work."""
+    def resolve(self, model_config, device: torch.device) -> None:
+        """Fill in torch_dtype, max_model_len, num_kv_blocks and swap_space_blocks for this model on `device`;
+        check they can work."""
         check_model_config(model_config)
+        self.torch_dtype, self.dtype_reason = resolve_dtype(self.dtype, device, self.attention_backend)
+        dtype = self.torch_dtype
         limit = model_config.max_position_embeddings
         self.max_model_len = self.max_model_len or limit
         if self.max_model_len > limit:
@@ -72,3 +86,24 @@ class EngineConfig:
             self.swap_space_blocks = 0
         elif self.swap_space_blocks is None:
             self.swap_space_blocks = self.num_kv_blocks
+
+
+def resolve_dtype(dtype: str, device: torch.device, attention_backend: str = "torch") -> tuple[torch.dtype, str]:
+    """The torch dtype the engine runs in for `dtype` on `device`, and why. "auto": bf16 where the hardware
+    multiplies it natively, else fp32 (`hardware.auto_dtype`, which also measures a CPU's bf16 matmuls).
+    Raises ValueError for what cannot work; warns when an explicit choice will be slow."""
+    device = torch.device(device)
+    if dtype == "auto":
+        chosen, why = hw.auto_dtype(device.type)
+    else:
+        chosen, why = DTYPES[dtype], f"{dtype}: requested"
+    if chosen == torch.bfloat16 and attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        raise ValueError("attention_backend='triton' cannot run bfloat16 under TRITON_INTERPRET=1 (the interpreter's "
+                         "tl.dot gives wrong bf16 results): use dtype='float32' or 'float16' with the interpreter, "
+                         "attention_backend='torch' for bf16 on a CPU, or a CUDA GPU")
+    if device.type == "cpu" and dtype in ("bfloat16", "float16"):
+        native, detected = hw.native_matmul(chosen, "cpu")
+        if not native:
+            warnings.warn(f"dtype={dtype!r} on this CPU runs emulated ({detected}) and is likely slower than float32; "
+                          "use dtype='auto' to let the engine pick", stacklevel=4)
+    return chosen, why

@@ -26,6 +26,14 @@ class LLM:
     `num_kv_blocks=None` sizes the cache from `kv_cache_memory_bytes` (capped at what `max_num_seqs`
     sequences of `max_model_len` tokens can use). See `Scheduler` for what the batching modes mean.
 
+    `dtype` (vLLM's `--dtype`): "float32", "bfloat16", "float16" or "auto" — the weights, activations and KV
+    cache in that dtype (norm statistics and logits in fp32, as Hugging Face does). "auto" picks bf16 where the
+    hardware multiplies it natively (a CUDA GPU with bf16, a CPU with AMX-BF16 / AVX512-BF16, checked by a
+    quick measurement) and fp32 elsewhere; `llm.dtype_reason` says why. On such CPUs bf16 makes prefill and
+    batched decode several times faster, but batch-1 decode can be slower than fp32 (the bf16 matrix-vector
+    kernel; `llmso-lab bench precision` measures all three). The default stays "float32" (vLLM's is "auto")
+    because the labs compare the engine with Hugging Face fp32 token for token.
+
     Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
     `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
     can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
@@ -38,17 +46,19 @@ class LLM:
                  scheduling_policy: str = "fcfs", preemption_mode: str = "recompute",
                  swap_space_blocks: int | None = None, attention_backend: str = "torch", seed: int = 0,
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 dtype: str | torch.dtype = "float32", clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, batching=batching,
             batch_window_s=batch_window_s, enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
-            seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging)
+            seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging,
+            dtype=dtype)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
-        c.resolve(self.model.config, self.model.get_input_embeddings().weight.dtype)
+        c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
+        self.dtype, self.dtype_reason = c.torch_dtype, c.dtype_reason
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self.scheduler = Scheduler(c, self.eos_token_ids, clock)
         self.block_manager = self.scheduler.block_manager

@@ -3,7 +3,9 @@
 Supported: Llama (SmolLM2), Mistral (sliding window), Qwen2 (q/k/v bias): embed -> L x [RMSNorm ->
 fused QKV -> RoPE -> paged-cache write -> attention -> o_proj -> residual -> RMSNorm -> fused gate/up ->
 SwiGLU -> down -> residual] -> RMSNorm -> LM head (tied or not). Weights are read once from the HF module
-(q/k/v and gate/up concatenated so each is a single matmul); the HF forward is never called.
+(q/k/v and gate/up concatenated so each is a single matmul) and cast to the engine's dtype; the HF forward is
+never called. In bf16/fp16, as in Hugging Face: weights, activations and the KV cache in that dtype; RMSNorm's
+statistics, RoPE's tables (then cast) and the returned logits in fp32; softmax inside SDPA accumulates in fp32.
 The KV cache is `[num_layers][num_blocks + 1, block_size, Hkv, D]` for K and for V; the extra last block
 is the null block that padding tokens write to.
 """
@@ -44,9 +46,9 @@ def _cat(*ts: Tensor | None) -> Tensor | None:
     return None if ts[0] is None else torch.cat([t.detach() for t in ts]).contiguous()
 
 
-def _t(w: Tensor) -> Tensor:
-    """HF Linear weight [out, in] -> [in, out] contiguous: `x @ w` is then ~15% faster on CPU for few rows."""
-    return w.detach().t().contiguous()
+def _t(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """HF Linear weight [out, in] -> [in, out] contiguous in `dtype`: `x @ w` is then ~15% faster on CPU for few rows."""
+    return w.detach().to(dtype).t().contiguous()
 
 
 def linear(x: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -107,16 +109,16 @@ class ModelRunner:
         self.num_layers, self.num_heads, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps, self.vocab_size = cfg.rms_norm_eps, cfg.vocab_size
-        self.dtype, self.device = model.get_input_embeddings().weight.dtype, model.get_input_embeddings().weight.device
+        self.dtype, self.device = config.torch_dtype, model.get_input_embeddings().weight.device
         self.block_size, self.null_block = block_size, num_kv_blocks
         self.backend = make_attention_backend(config.attention_backend, num_heads=self.num_heads,
                                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=block_size)
         windows = sliding_windows(cfg, max_model_len)
         with torch.no_grad():
-            self.layers = [self._load_layer(layer, w) for layer, w in zip(model.model.layers, windows)]
-            self.embed = model.get_input_embeddings().weight.detach()                  # [V, hidden]
-            self.final_norm = model.model.norm.weight.detach()
-            self.lm_head = _t(model.get_output_embeddings().weight)                   # [hidden, V] (a copy even when tied)
+            self.layers = [self._load_layer(layer, w, self.dtype) for layer, w in zip(model.model.layers, windows)]
+            self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)   # [V, hidden]
+            self.final_norm = model.model.norm.weight.detach().to(self.dtype)
+            self.lm_head = _t(model.get_output_embeddings().weight, self.dtype)       # [hidden, V] (a copy even when tied)
             cos, sin = rope_cos_sin(cfg, max_model_len)
             half = sin.shape[-1] // 2
             sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)                   # signed for apply_rope
@@ -128,15 +130,18 @@ class ModelRunner:
         self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
 
     @staticmethod
-    def _load_layer(layer, window: int | None) -> LayerWeights:
+    def _load_layer(layer, window: int | None, dtype: torch.dtype) -> LayerWeights:
         a, m = layer.self_attn, layer.mlp
+        cast = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach(),
-            qkv=_t(_cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)), qkv_bias=_cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
-            o=_t(a.o_proj.weight), o_bias=_cat(a.o_proj.bias),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=_t(_cat(m.gate_proj.weight, m.up_proj.weight)), gate_up_bias=_cat(m.gate_proj.bias, m.up_proj.bias),
-            down=_t(m.down_proj.weight), down_bias=_cat(m.down_proj.bias), sliding_window=window)
+            input_norm=cast(layer.input_layernorm.weight),
+            qkv=_t(_cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), dtype),
+            qkv_bias=cast(_cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)),
+            o=_t(a.o_proj.weight, dtype), o_bias=cast(_cat(a.o_proj.bias)),
+            post_norm=cast(layer.post_attention_layernorm.weight),
+            gate_up=_t(_cat(m.gate_proj.weight, m.up_proj.weight), dtype),
+            gate_up_bias=cast(_cat(m.gate_proj.bias, m.up_proj.bias)),
+            down=_t(m.down_proj.weight, dtype), down_bias=cast(_cat(m.down_proj.bias)), sliding_window=window)
 
     def weight_matrices(self) -> list[Tensor]:
         """The matrices one forward multiplies by, in order: q/k/v, o, gate/up, down per layer, then the LM head."""

@@ -14,4 +14,8 @@ hidden("00", {
                                   ((538e6, 28e9), {}), ((2e9, 3e11), {"batch": 3, "context_len": 10,
                                                                        "kv_bytes_per_token": 7}),
                                   ((0.0, 1e9), {"batch": 2, "context_len": 100, "kv_bytes_per_token": 50})],
+    "precision_speedup": [((64, 134.5e6, 4, 2, 0.28e12, 2.8e12, 25e9), {}),     # compute-bound in fp32, memory-bound in bf16
+                          ((512, 8e9, 2, 1, 989e12, 1979e12, 3.35e12), {}),     # W8A8 prefill on an H100
+                          ((1000, 1e6, 4, 2, 2e11, 1e11, 1e10), {}),            # emulated bf16: slower math (< 1)
+                          ((1, 1e6, 2, 2, 1e12, 5e11, 1e9), {})],               # nothing changes for decode: 1.0
 })

@@ -20,7 +20,7 @@ register(
         Case("compute-bound: 1 PFLOP, 1 GB", (1e15, 1e9, H100_BF16, H100_BW)),
     ], compare=rel, tripwires=("llmso_lab.hardware:attainable_flops", "llmso_lab.sim.cost:StepCost.time_of"),
         description="max(compute time, memory time)"),
-    Exercise("compute_bound_tokens", "00", 30, "llmso_lab.hardware:compute_bound_tokens", [
+    Exercise("compute_bound_tokens", "00", 20, "llmso_lab.hardware:compute_bound_tokens", [
         Case("Llama-3-70B in fp16 on an H100", (140e9, 140e9, H100_BF16, H100_BW)),
         Case("SmolLM2-135M in fp32 on a 200 GFLOP/s, 25 GB/s CPU", (538e6, 269e6, 200e9, 25e9)),
     ], compare=rel, description="new tokens per forward at which the math takes as long as reading the weights"),
@@ -28,10 +28,17 @@ register(
         Case("the lecture's 70B: 80 layers, 8 KV heads, head_dim 128, fp16", (80, 8, 128), {"bytes_per_elem": 2}),
         Case("SmolLM2-135M in fp32: 30 layers, 3 KV heads, head_dim 64", (30, 3, 64), {"bytes_per_elem": 4}),
     ], compare=rel, tripwires=KV_BYTES_ELSEWHERE, description="KV-cache bytes added per token"),
-    Exercise("decode_tokens_per_s_bound", "00", 25, "llmso_lab.hardware:decode_tokens_per_s_bound", [
+    Exercise("decode_tokens_per_s_bound", "00", 20, "llmso_lab.hardware:decode_tokens_per_s_bound", [
         Case("70B fp16 on an H100, batch 1", (140e9, H100_BW)),
         Case("batch 8 with 4K context each", (140e9, H100_BW), {"batch": 8, "context_len": 4096,
                                                                "kv_bytes_per_token": 327680}),
     ], compare=rel, tripwires=("llmso_lab.hardware:decode_bytes_per_step",),
         description="memory-bound ceiling on generated tokens/s"),
+    Exercise("precision_speedup", "00", 15, "llmso_lab.hardware:precision_speedup", [
+        Case("SmolLM2 batch-1 decode, fp32 -> bf16 on a CPU with 10x bf16 matmuls", (1, 134.5e6, 4, 2, 0.28e12, 2.8e12, 25e9)),
+        Case("SmolLM2 prefill of 256 tokens, fp32 -> bf16, same CPU", (256, 134.5e6, 4, 2, 0.28e12, 2.8e12, 25e9)),
+        Case("70B on an H100, fp16 -> int4 weights (W4A16), batch-64 decode", (64, 70e9, 2, 0.5, H100_BF16, H100_BF16, H100_BW)),
+    ], compare=rel, tripwires=("llmso_lab.hardware:roofline_time", "llmso_lab.hardware:attainable_flops",
+                               "llmso_lab.sim.cost:StepCost.time_of"),
+        description="roofline speed-up of a forward when the weights change precision"),
 )

@@ -1,0 +1,231 @@
+"""`llmso-lab bench precision`: the engine on SmolLM2 in fp32 vs bf16 (and fp16 where this machine multiplies it
+natively), in one run. Lecture 1-3: precision is a first-order serving decision.
+
+For each dtype (`LLM(dtype=...)`, one engine per dtype, the same seeded inputs):
+- prefill tokens/s of one prompt of 256 and of 1024 tokens (best of `repeats`; one forward each);
+- decode tokens/s at batch 1 and batch 16 (32-token prompts, `decode_tokens` new tokens each, EOS ignored;
+  the rate after every row has its first token; best of `repeats`);
+- the batching bench's continuous workload (`bench.batching`: 64 requests at t = 0, prompts 32-512, outputs
+  16-256, max_num_seqs 16): output tokens/s and TTFT p50/p99;
+- greedy agreement with the fp32 engine on that workload's outputs (`greedy_agreement`);
+- the continuous throughput as a share of the workload's roofline bound: its prefill FLOPs at this dtype's
+  measured matmul ceiling plus its decode reads (all weights once per decode step, for the fewest steps
+  `max_num_seqs` allows, and every KV token each step reads) at the measured copy bandwidth.
+Then greedy agreement on a few real chat prompts: engine bf16 vs Hugging Face bf16, vs the fp32 engine, and
+Hugging Face bf16 vs fp32 (how much bf16 itself moves the tokens).
+
+Ratios (same run): bf16_vs_fp32_prefill (256 tokens; _1024 too), bf16_vs_fp32_batch1, bf16_vs_fp32_batch16,
+bf16_vs_fp32_continuous_throughput, fp32_over_bf16_ttft_p50 / _p99 (> 1: bf16 answers sooner).
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from llmso_lab import hardware as hw
+from llmso_lab.bench import batching
+from llmso_lab.bench.attention import _device_name
+
+__all__ = ["run", "greedy_agreement", "roofline_share"]
+
+FULL = dict(prefill_lens=(256, 1024), decode_tokens=64, decode_batch=16, repeats=3, chat_tokens=32, chat_prompts=4,
+            workload=batching.FULL)
+QUICK = dict(prefill_lens=(256, 1024), decode_tokens=16, decode_batch=16, repeats=2, chat_tokens=16, chat_prompts=2,
+             workload=dict(batching.QUICK, num_requests=8))
+CHAT = ["Explain what a GPU does in two sentences.", "Write a haiku about the ocean.",
+        "What is the capital of France, and why is it famous?", "List three tips for learning to program."]
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """How far greedy outputs agree, request by request: tokens before the first difference.
+
+    Returns `tokens_equal` (tokens generated before each request's first divergence, over all reference
+    tokens: after a divergence the two continue from different text, so later matches are not counted),
+    `identical` (requests equal throughout, as a fraction) and `first_divergence` (the position of the first
+    difference in each request, None where identical)."""
+    assert len(reference) == len(other), "one output per request on both sides"
+    firsts = []
+    for a, b in zip(reference, other):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None and len(a) != len(b):
+            first = min(len(a), len(b))
+        firsts.append(first)
+    total = sum(map(len, reference))
+    agreed = sum(len(a) if f is None else f for a, f in zip(reference, firsts))
+    return {"tokens_equal": agreed / total if total else 1.0,
+            "identical": sum(f is None for f in firsts) / len(firsts) if firsts else 1.0, "first_divergence": firsts}
+
+
+def roofline_share(tok_s: float, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int, shape,
+                   dtype_bytes: float, matmul_flops_s: float, copy_bytes_s: float) -> tuple[float, float]:
+    """(bound tokens/s, measured `tok_s` as a share of it) for a workload run through a batching engine.
+
+    Bound time = prefill FLOPs / matmul ceiling + decode bytes / copy bandwidth, where decode reads all weights
+    once per step over the fewest steps possible (each request's first token comes from its prefill; a step
+    decodes at most `max_num_seqs` requests) plus, each step, every cached KV token of every decoding request.
+    """
+    from llmso_lab.sim.cost import StepCost
+
+    cost = StepCost(hw.Accelerator("bound", matmul_flops_s, copy_bytes_s, 0, "none", 0, 0), shape, dtype_bytes)
+    prefill_flops = cost.work(prefill=[(p, 0) for p in prompt_lens])[0]
+    decodes = [o - 1 for o in output_lens]
+    steps = max(math.ceil(sum(decodes) / max_num_seqs), max(decodes))
+    kv_reads = sum(p + j for p, d in zip(prompt_lens, decodes) for j in range(1, d + 1))
+    decode_bytes = steps * shape.weight_bytes(dtype_bytes) + kv_reads * cost.kv_bytes_per_token
+    bound = sum(output_lens) / (prefill_flops / matmul_flops_s + decode_bytes / copy_bytes_s)
+    return bound, tok_s / bound
+
+
+def _best(fn, repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def _prefill_tok_s(llm, prompt: list[int], repeats: int) -> float:
+    """Prompt tokens/s of one prompt in one forward (max_tokens=1), best of `repeats`."""
+    from llmso_lab.engine import SamplingParams
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0
+    return len(prompt) / _best(once, repeats)
+
+
+def _decode_tok_s(llm, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    """Generated tokens/s of `len(prompts)` requests decoding together, counted once every one of them has its
+    first token (so the prefills are not in it), best of `repeats`."""
+    from llmso_lab.engine import SamplingParams
+
+    def once() -> float:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+        times = [o.metrics.token_times for o in outs]
+        start, end = max(t[0] for t in times), max(t[-1] for t in times)
+        return (end - start) / sum(len(t) - 1 for t in times)   # seconds per decoded token
+    return 1.0 / _best(once, repeats)
+
+
+def _chat_agreement(tokenizer, engines: dict, hf: dict, n_prompts: int, new_tokens: int) -> dict:
+    """Greedy outputs on real chat prompts: engine vs Hugging Face in the same dtype, bf16 vs fp32."""
+    from llmso_lab.engine import SamplingParams
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"] for c in CHAT[:n_prompts]]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    eng = {d: [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                              use_tqdm=False)] for d, llm in engines.items()}
+    ref = {}
+    with torch.inference_mode():
+        for d, model in hf.items():
+            ref[d] = [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     do_sample=False, top_k=None, top_p=None, temperature=None)[0, len(p):].tolist()
+                      for p in prompts]
+    pairs = {"engine fp32 vs HF fp32": (ref["float32"], eng["float32"]),
+             "engine bf16 vs HF bf16": (ref["bfloat16"], eng["bfloat16"]),
+             "engine bf16 vs engine fp32": (eng["float32"], eng["bfloat16"]),
+             "HF bf16 vs HF fp32": (ref["float32"], ref["bfloat16"])}
+    return {k: greedy_agreement(*v) for k, v in pairs.items()}
+
+
+def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, ...] | None = None,
+        measure_seconds: float | None = None, **overrides) -> dict:
+    """Run the precision benchmark (quick=True: a smaller workload, a few minutes on 2 cores).
+
+    `dtypes`: default float32 and bfloat16, plus float16 where this CPU's flags say it multiplies it natively
+    (flags are not speed: AVX512-FP16 CPUs still run the engine's fp16 slower than fp32 here). `overrides`
+    replace entries of FULL/QUICK (the tests use `model="tiny-llama"` and tiny sizes)."""
+    from llmso_lab.engine import LLM
+    from llmso_lab.models import load_model
+    from llmso_lab.models.shapes import ModelShape
+    from llmso_lab.workloads import Request, latency_summary
+
+    cfg = {**(QUICK if quick else FULL), **overrides}
+    native = {torch.bfloat16: hw.native_matmul(torch.bfloat16, "cpu"), torch.float16: hw.native_matmul(torch.float16, "cpu")}
+    if dtypes is None:
+        dtypes = ("float32", "bfloat16") + (("float16",) if native[torch.float16][0] else ())
+    assert dtypes[0] == "float32", "fp32 is the reference every ratio and agreement is measured against"
+    net, tokenizer = load_model(model)   # fp32; each engine casts its own copy of the weights
+    shape = ModelShape.from_hf_config(net.config, name=model)
+    vocab, w = net.config.vocab_size, cfg["workload"]
+    g = torch.Generator().manual_seed(0)
+    long_prompts = {n: torch.randint(3, vocab, (n,), generator=g).tolist() for n in cfg["prefill_lens"]}
+    short = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(cfg["decode_batch"])]
+    reqs, prompts = batching.workload(w["num_requests"], w["prompt_len"], w["output_len"], vocab)
+    B = w["max_num_seqs"]
+    limit = net.config.max_position_embeddings
+    max_model_len = min(limit, w["prompt_len"][1] + w["output_len"][1] + 16)    # the continuous workload's, as there
+    micro_len = min(limit, max(max(cfg["prefill_lens"]), 64 + cfg["chat_tokens"], 32 + cfg["decode_tokens"]) + 1)
+    seconds = measure_seconds if measure_seconds is not None else (1.0 if quick else 3.0)
+    cpu, matmul_s = hw.measure_cpu(seconds=seconds), seconds / 2   # fp32 ceiling and copy bandwidth
+    rows, outputs, engines, ttft = [], {}, {}, {}
+    for name in tqdm(dtypes, desc="bench precision"):
+        llm = LLM(net, tokenizer, dtype=name, max_num_seqs=cfg["decode_batch"], max_model_len=micro_len,
+                  max_num_batched_tokens=max(2048, micro_len))
+        if name in ("float32", "bfloat16"):   # kept for the chat agreement below
+            engines[name] = llm
+        dt = llm.dtype
+        _prefill_tok_s(llm, long_prompts[cfg["prefill_lens"][0]], 1)   # warm-up: first-call allocations
+        row = {"dtype": name}
+        for n in cfg["prefill_lens"]:
+            row[f"prefill_{n}_tok_s"] = round(_prefill_tok_s(llm, long_prompts[n], cfg["repeats"]), 1)
+        row["decode_b1_tok_s"] = round(_decode_tok_s(llm, short[:1], cfg["decode_tokens"], cfg["repeats"]), 1)
+        row[f"decode_b{cfg['decode_batch']}_tok_s"] = round(_decode_tok_s(llm, short, cfg["decode_tokens"], cfg["repeats"]), 1)
+        # the batching bench's continuous workload, on a fresh engine as there (warmed up on a full batch first)
+        warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:B])]
+        batching._engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len, dtype=name)
+        cont, outs, _ = batching._engine(net, tokenizer, "continuous", reqs, prompts, B, max_model_len, dtype=name)
+        outputs[name] = [o.outputs[0].token_ids for o in outs]
+        t = latency_summary([o.metrics for o in outs], (50, 99))["ttft_s"]   # unrounded (the row rounds to 10 ms)
+        ttft[name] = (t["p50"], t["p99"])
+        row.update(continuous_tok_s=cont["output_tok_s"], ttft_p50_s=round(t["p50"], 3), ttft_p99_s=round(t["p99"], 3))
+        agree = greedy_agreement(outputs["float32"], outputs[name])
+        divergent = [f for f in agree["first_divergence"] if f is not None]
+        row.update(tokens_equal_vs_fp32=round(agree["tokens_equal"], 3), identical_vs_fp32=round(agree["identical"], 3),
+                   first_divergence_median=statistics.median(divergent) if divergent else "-")
+        peak = cpu.peak_flops if dt == torch.float32 else hw.measure_matmul(dt, matmul_s)   # this dtype's ceiling
+        bound, share = roofline_share(cont["output_tok_s"], [r.prompt_len for r in reqs], [r.output_len for r in reqs],
+                                      B, shape, dt.itemsize, peak, cpu.mem_bandwidth)
+        row.update(matmul_TFLOP_s=round(peak / 1e12, 3), roofline_bound_tok_s=round(bound, 1),
+                   roofline_share=round(share, 3),
+                   cpu_flags="-" if dt == torch.float32 else ("native" if native[dt][0] else "none (emulated)"))
+        rows.append(row)
+    chat = {}
+    if "bfloat16" in engines and tokenizer is not None:
+        hf = {"float32": net, "bfloat16": load_model(model, dtype=torch.bfloat16)[0]}
+        chat = _chat_agreement(tokenizer, {d: engines[d] for d in ("float32", "bfloat16")}, hf,
+                               cfg["chat_prompts"], cfg["chat_tokens"])
+    by = {r["dtype"]: r for r in rows}
+    ratios = {}
+    if "bfloat16" in by:
+        f, b, n0, bb = by["float32"], by["bfloat16"], cfg["prefill_lens"], f"decode_b{cfg['decode_batch']}_tok_s"
+        ratios = {"bf16_vs_fp32_prefill": b[f"prefill_{n0[0]}_tok_s"] / f[f"prefill_{n0[0]}_tok_s"],
+                  **{f"bf16_vs_fp32_prefill_{n}": b[f"prefill_{n}_tok_s"] / f[f"prefill_{n}_tok_s"] for n in n0[1:]},
+                  "bf16_vs_fp32_batch1": b["decode_b1_tok_s"] / f["decode_b1_tok_s"],
+                  f"bf16_vs_fp32_batch{cfg['decode_batch']}": b[bb] / f[bb],
+                  "bf16_vs_fp32_continuous_throughput": b["continuous_tok_s"] / f["continuous_tok_s"],
+                  "fp32_over_bf16_ttft_p50": ttft["float32"][0] / ttft["bfloat16"][0],
+                  "fp32_over_bf16_ttft_p99": ttft["float32"][1] / ttft["bfloat16"][1],
+                  "bf16_tokens_equal_vs_fp32": b["tokens_equal_vs_fp32"]}
+        ratios = {k: round(v, 3) for k, v in ratios.items()}
+    return {"name": "precision", "table": rows, "ratios": ratios, "device": _device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "llmso-lab bench precision" + (" --quick" if quick else ""), "model": model,
+            "workload": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+            "targets": {"continuous throughput >= 1.5x fp32": ratios.get("bf16_vs_fp32_continuous_throughput", 0) >= 1.5,
+                        "TTFT p50 >= 1.5x lower": ratios.get("fp32_over_bf16_ttft_p50", 0) >= 1.5},
+            "chat_agreement": chat, "cpu_flags": {str(d)[6:]: why for d, (_, why) in native.items()},
+            "auto_dtype": hw.auto_dtype("cpu")[1], "memory_bandwidth_GB_s": round(cpu.mem_bandwidth / 1e9, 2),
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
+            "note": "CPU figures; the machine may be shared with other jobs (see load_avg)."}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import json
+
+    print(json.dumps(run(quick=True), indent=1, default=str))

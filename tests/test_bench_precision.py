@@ -1,0 +1,66 @@
+"""`llmso-lab bench precision` and `--dtype`: the result's structure on a tiny random model (seconds, no
+download), the workload's roofline bound, and the CLI."""
+import json
+import math
+
+import pytest
+
+from llmso_lab.bench.precision import roofline_share, run
+from llmso_lab.cli import main
+from llmso_lab.models.shapes import SMOLLM2_135M
+
+TINY = dict(model="tiny-llama", prefill_lens=(16, 32), decode_tokens=4, decode_batch=3, repeats=1, measure_seconds=0.2,
+            workload=dict(num_requests=4, prompt_len=(4, 12), output_len=(2, 6), max_num_seqs=2, batch1_tokens=4))
+
+
+def test_bench_precision_structure():
+    res = run(quick=True, dtypes=("float32", "bfloat16"), **TINY)
+    assert res["name"] == "precision" and [r["dtype"] for r in res["table"]] == ["float32", "bfloat16"]
+    assert {"bf16_vs_fp32_prefill", "bf16_vs_fp32_prefill_32", "bf16_vs_fp32_batch1", "bf16_vs_fp32_batch3",
+            "bf16_vs_fp32_continuous_throughput", "fp32_over_bf16_ttft_p50", "fp32_over_bf16_ttft_p99",
+            "bf16_tokens_equal_vs_fp32"} == set(res["ratios"])
+    assert all(v > 0 for v in res["ratios"].values())
+    f32, b16 = res["table"]
+    for row in res["table"]:
+        assert row["prefill_16_tok_s"] > 0 and row["decode_b1_tok_s"] > 0 and row["decode_b3_tok_s"] > 0
+        assert row["continuous_tok_s"] > 0 and 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+        assert row["roofline_bound_tok_s"] > 0 and row["roofline_share"] == pytest.approx(
+            row["continuous_tok_s"] / row["roofline_bound_tok_s"], rel=0.01, abs=1e-3)   # rounded to 3 places
+    assert f32["tokens_equal_vs_fp32"] == f32["identical_vs_fp32"] == 1.0   # fp32 against itself
+    assert 0 <= b16["tokens_equal_vs_fp32"] <= 1
+    assert res["ratios"]["bf16_vs_fp32_prefill"] == pytest.approx(b16["prefill_16_tok_s"] / f32["prefill_16_tok_s"], rel=0.01)
+    assert set(res["targets"]) == {"continuous throughput >= 1.5x fp32", "TTFT p50 >= 1.5x lower"}
+    assert res["chat_agreement"] == {}   # the tiny model has no tokenizer
+    json.dumps(res)
+    assert {"device", "date", "command", "auto_dtype", "cpu_flags"} <= set(res)
+
+
+def test_roofline_bound_counts_prefill_flops_and_the_fewest_decode_steps():
+    s, peak, bw = SMOLLM2_135M, 1e12, 1e10
+    prompts, outputs = [10, 10], [3, 5]   # decode tokens 2 and 4
+    kv = s.kv_bytes_per_token(2)
+    from llmso_lab.sim.cost import StepCost
+    from llmso_lab.hardware import Accelerator
+    flops = StepCost(Accelerator("x", peak, bw, 0, "none", 0, 0), s, 2).work(prefill=[(10, 0), (10, 0)])[0]
+    kv_reads = (11 + 12) + (11 + 12 + 13 + 14)
+    for max_num_seqs, steps in ((1, 6), (2, 4), (8, 4)):   # at most max_num_seqs per step; the longest needs 4
+        want = sum(outputs) / (flops / peak + (steps * s.weight_bytes(2) + kv_reads * kv) / bw)
+        bound, share = roofline_share(50.0, prompts, outputs, max_num_seqs, s, 2, peak, bw)
+        assert math.isclose(bound, want, rel_tol=1e-12) and math.isclose(share, 50.0 / want, rel_tol=1e-12)
+
+
+def test_cli_env_says_what_auto_picks_and_bench_dtype_is_checked(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "LLM(dtype='auto')" in out and "bfloat16 matmul" in out
+    assert main(["bench", "prefix", "--dtype", "bfloat16"]) == 2
+    assert "benchmark 'prefix' has no --dtype" in capsys.readouterr().err
+
+
+def test_bench_batching_runs_in_bf16():
+    from llmso_lab.bench.batching import run as run_batching
+
+    res = run_batching(quick=True, model="tiny-llama", num_requests=3, max_num_seqs=2, prompt_len=(4, 12),
+                       output_len=(2, 5), batch1_tokens=4, measure_seconds=0.2, dtype="bfloat16")
+    assert res["dtype"] == "bfloat16" and res["command"].endswith("--dtype bfloat16")
+    assert "bfloat16 weights" in [r for r in res["table"] if r["system"].startswith("memory-bandwidth")][0]["note"]
