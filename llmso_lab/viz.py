@@ -91,10 +91,14 @@ def plot_roofline(hardware: Accelerator, points: Sequence[tuple] = (), intensity
         ax.axvline(roof / bw, color=colour, ls="--", lw=1, alpha=0.6)
         ax.annotate(f"ridge {roof / bw:.0f} FLOP/B", (roof / bw, roof), textcoords="offset points",
                     xytext=(5, -14), fontsize=8, color="0.3")
+    placed: list[tuple[float, float]] = []
     for label, intensity, *achieved in points:
         y = achieved[0] if achieved else min(peak, intensity * bw)
         ax.plot(intensity, y, "o")
-        ax.annotate(label, (intensity, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        # a label goes below its point when an earlier point sits close by (log axes), so labels do not overlap
+        near = any(abs(np.log10(intensity / px)) < 0.6 and abs(np.log10(y / py)) < 0.3 for px, py in placed)
+        ax.annotate(label, (intensity, y), textcoords="offset points", xytext=(5, -12 if near else 5), fontsize=8)
+        placed.append((intensity, y))
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("attainable FLOP/s")
     ax.set_title(f"Roofline: {hardware.name}")
