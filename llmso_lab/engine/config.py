@@ -39,6 +39,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     sjf_predictor: str | Callable = "oracle"
     sjf_aging: float = 0.0                    # sjf: predicted tokens forgiven per second waited
+    share_kv_blocks: bool = True              # n > 1 / beams share blocks copy-on-write; False: each its own copy
     dtype: str = "float32"                    # "auto" | "float32" | "bfloat16" | "float16" (vLLM's --dtype)
     torch_dtype: torch.dtype | None = field(default=None, init=False)   # what `dtype` resolved to
     dtype_reason: str = field(default="", init=False)                   # why (for "auto": what was detected)

@@ -6,11 +6,12 @@ from typing import Callable
 
 import torch
 
+from llmso_lab.engine.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from llmso_lab.engine.config import EngineConfig
 from llmso_lab.engine.metrics import StepTrace
 from llmso_lab.engine.model_runner import ModelRunner
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
-from llmso_lab.engine.sampler import Sampler
+from llmso_lab.engine.sampler import Sampler, sample_token
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.engine.scheduler import Scheduler, SchedulerOutput
 from llmso_lab.engine.sequence import Sequence
@@ -46,7 +47,7 @@ class LLM:
                  scheduling_policy: str = "fcfs", preemption_mode: str = "recompute",
                  swap_space_blocks: int | None = None, attention_backend: str = "torch", seed: int = 0,
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
-                 dtype: str | torch.dtype = "float32", clock: Callable[[], float] = time.perf_counter) -> None:
+                 dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, batching=batching,
@@ -54,7 +55,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
             seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging,
-            dtype=dtype)
+            dtype=dtype, share_kv_blocks=share_kv_blocks)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
@@ -64,10 +65,12 @@ class LLM:
         self.block_manager = self.scheduler.block_manager
         self.model_runner = ModelRunner(self.model, c)
         self.sampler = Sampler()
-        self.num_requests = self.num_steps = self.num_finished = 0
+        self.num_requests = self.num_seqs = self.num_steps = self.num_finished = 0
         self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
         self.busy_time_s, self.peak_blocks_used = 0.0, 0
         self.undelivered: list[RequestOutput] = []   # finished inside generate() but not its own: for the next step()
+        self.samples: dict[str, list[Sequence]] = {}   # request id -> its sequences (n > 1: one per sample)
+        self.beam_groups: dict[str, BeamSearchGroup] = {}   # beam searches in progress
 
     # ---- requests ----------------------------------------------------------------------------
     def _validate(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[list[int], str | None]:
@@ -75,6 +78,8 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.verify()
+        if params.n > 1 and self.config.batching != "continuous":
+            raise ValueError(f"n={params.n} needs batching='continuous' (a static batch cannot grow by forking)")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         text = None
@@ -105,16 +110,33 @@ class LLM:
         ids, text = self._validate(prompt, params, priority)
         return self._add(ids, text, params, priority, arrival_time)
 
-    def _add(self, ids: list[int], text: str | None, params: SamplingParams, priority: int, arrival_time: float | None) -> str:
+    def _add(self, ids: list[int], text: str | None, params: SamplingParams, priority: int, arrival_time: float | None,
+             beam: BeamSearchGroup | None = None) -> str:
         index = self.num_requests
         self.num_requests += 1
         seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + index) % (1 << 63)
         now = self.clock()
-        seq = Sequence(index, str(index), ids, params, now if arrival_time is None else arrival_time, priority,
-                       prompt=text, generator=torch.Generator().manual_seed(seed))
+        seq = Sequence(self._new_seq_id(), str(index), ids, params, now if arrival_time is None else arrival_time,
+                       priority, prompt=text, generator=torch.Generator().manual_seed(seed), seed=seed,
+                       num_pending_forks=params.n - 1, beam=beam)
         self.scheduler.add(seq)
+        self.samples[seq.request_id] = [seq]
         self.num_prompt_tokens += len(ids)
         return seq.request_id
+
+    def _new_seq_id(self) -> int:
+        self.num_seqs += 1
+        return self.num_seqs - 1
+
+    def _fork(self, parent: Sequence, sample_index: int, seed: int) -> Sequence:
+        """A new sequence continuing `parent` (same request), sharing its KV blocks copy-on-write."""
+        child = Sequence(self._new_seq_id(), parent.request_id, parent.prompt_token_ids, parent.sampling_params,
+                         parent.arrival_time, parent.priority, prompt=parent.prompt,
+                         generator=torch.Generator().manual_seed(seed % (1 << 63)), seed=seed,
+                         sample_index=sample_index, beam=parent.beam)
+        self.model_runner.copy_blocks(self.scheduler.fork(parent, child))
+        self.samples[parent.request_id].append(child)
+        return child
 
     def has_unfinished_requests(self) -> bool:
         """Is a request still queued or running, or finished but its output not yet returned by `step()`?"""
@@ -140,17 +162,19 @@ class LLM:
         # 4. one forward over the flattened batch; sample; append
         self._execute(out)
         self.num_steps += 1
-        self.num_finished += len(retired)
+        done = self._finished_requests(retired)
+        self.num_finished += len(done)
         self.peak_blocks_used = max(self.peak_blocks_used, trace.num_blocks_used)
-        trace.retired = [s.request_id for s in retired]
+        trace.retired = [s.name for s in retired]
         trace.wall_time_s = self.clock() - trace.start_time
         self.busy_time_s += trace.wall_time_s
-        return [self._output(s) for s in retired], trace
+        return done, trace
 
     def _execute(self, out: SchedulerOutput) -> None:
         """Step 4: the swap copies, one forward over all scheduled tokens, sampling, appending."""
         self.model_runner.swap_out(out.blocks_to_swap_out)   # before the forward overwrites those blocks
         self.model_runner.swap_in(out.blocks_to_swap_in)
+        self.model_runner.copy_blocks(out.blocks_to_copy)    # copy-on-write, after the swaps freed and filled blocks
         if not out.scheduled:
             return
         logits = self.model_runner.execute(out)              # [rows, V]: sampling sequences (+ idle static rows)
@@ -158,14 +182,31 @@ class LLM:
         sampling = [(r, item.seq) for r, item in enumerate(rows) if item.sample]
         if len(sampling) < len(rows):
             logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
-        seqs = [seq for _, seq in sampling]
+        for r, (_, seq) in enumerate(sampling):   # a beam's next-token log-probs wait for its group (see beam_search)
+            if seq.beam is not None:
+                seq.beam.pending[seq.seq_id] = logits[r].float().cpu().log_softmax(-1)
+        rows_seqs = [(r, seq) for r, (_, seq) in enumerate(sampling) if seq.beam is None]
+        seqs = [seq for _, seq in rows_seqs]
+        if len(seqs) < len(sampling):
+            logits = logits[[r for r, _ in rows_seqs]]
         tokens = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs]) if seqs else []
-        self.scheduler.update(out, {s.seq_id: t for s, t in zip(seqs, tokens)}, self.clock())
+        now = self.clock()
+        self.scheduler.update(out, {s.seq_id: t for s, t in zip(seqs, tokens)}, now)
         self.num_generated_tokens += len(tokens)
+        for r, seq in enumerate(seqs):   # n > 1: the request's first token is sampled; fork the other samples
+            for i in range(1, seq.num_pending_forks + 1):
+                child = self._fork(seq, i, seq.seed + i)
+                child.token_ids.pop()   # the parent's first token: the child draws its own from the same logits
+                self.scheduler.append_token(child, sample_token(logits[r].cpu(), seq.sampling_params, child.generator), now)
+                self.num_generated_tokens += 1
+            seq.num_pending_forks = 0
+        for group in {seq.beam.request_id: seq.beam for _, seq in sampling if seq.beam is not None}.values():
+            if group.ready():
+                self._beam_step(group, now)
 
     def _trace_schedule(self, trace: StepTrace, out: SchedulerOutput) -> None:
         for item in out.scheduled:
-            rid = item.seq.request_id
+            rid = item.seq.name
             trace.num_tokens[rid] = item.num_query_tokens
             if item.idle:
                 trace.idle.append(rid)
@@ -177,20 +218,115 @@ class LLM:
             self.num_computed_tokens += 0 if item.idle else item.num_new_tokens
         trace.num_batched_tokens = out.num_batched_tokens
         self.num_padded_tokens += trace.num_padded_tokens
-        trace.preempted = [s.request_id for s in out.preempted]
-        trace.swapped_in = [s.request_id for s in out.swapped_in]
+        trace.preempted = [s.name for s in out.preempted]
+        trace.swapped_in = [s.name for s in out.swapped_in]
         trace.num_blocks_used, trace.num_blocks_free = self.block_manager.num_used_blocks, self.block_manager.num_free_blocks
         sch = self.scheduler
         trace.num_running, trace.num_waiting, trace.num_swapped = len(sch.running), len(sch.waiting), len(sch.swapped)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        out_ids = seq.output_token_ids
-        text = self.tokenizer.decode(out_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        metrics = RequestMetrics(seq.request_id, seq.arrival_time, seq.first_token_time, seq.finish_time,
-                                 seq.num_prompt_tokens, seq.num_output_tokens, seq.num_preemptions,
-                                 seq.first_scheduled_time, list(seq.token_times))
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
-                             [CompletionOutput(0, text, out_ids, seq.finish_reason)], True, metrics, seq.num_cached_tokens)
+    def _finished_requests(self, retired: list[Sequence]) -> list[RequestOutput]:
+        """The requests whose every sample has now been retired (n > 1: all n of them)."""
+        done = []
+        for seq in retired:
+            samples = self.samples.get(seq.request_id)
+            if samples is not None and all(s.finish_time is not None and not s.num_pending_forks for s in samples):
+                del self.samples[seq.request_id]
+                done.append(self._output(sorted(samples, key=lambda s: s.sample_index)))
+        return done
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _output(self, samples: list[Sequence]) -> RequestOutput:
+        first = samples[0]
+        times = sorted(t for s in samples for t in s.token_times)
+        metrics = RequestMetrics(first.request_id, first.arrival_time, times[0] if times else None,
+                                 max(s.finish_time for s in samples), first.num_prompt_tokens,
+                                 sum(s.num_output_tokens for s in samples), sum(s.num_preemptions for s in samples),
+                                 first.first_scheduled_time, times)
+        outputs = [CompletionOutput(s.sample_index, self._decode(s.output_token_ids), s.output_token_ids, s.finish_reason)
+                   for s in samples]
+        return RequestOutput(first.request_id, first.prompt, list(first.prompt_token_ids), outputs, True, metrics,
+                             first.num_cached_tokens)
+
+    # ---- beam search ---------------------------------------------------------------------------
+    def _beam_step(self, group: BeamSearchGroup, now: float) -> None:
+        """Every live beam of `group` has its next-token log-probs: choose the next beams, then fork the beams
+        chosen more than once (blocks shared), extend the others and prune the beams nobody chose."""
+        chosen = group.step()
+        by_parent: dict[int, list] = {}
+        for cand in chosen:
+            by_parent.setdefault(cand.parent, []).append(cand)
+        beams, scores = [None] * len(chosen), [0.0] * len(chosen)
+        position = {id(c): i for i, c in enumerate(chosen)}
+        for p, parent in enumerate(group.beams):
+            kids = by_parent.get(p, [])
+            if not kids:
+                self.scheduler.abort(parent)   # pruned: its blocks go back (those it shared stay with the others)
+                continue
+            for cand in kids[1:]:              # forked before the parent grows, so the child starts from its tokens
+                child = self._fork(parent, len(self.samples[group.request_id]), parent.seed)
+                child.append_token(cand.token, now)
+                beams[position[id(cand)]], scores[position[id(cand)]] = child, cand.cum_logprob
+            parent.append_token(kids[0].token, now)
+            beams[position[id(kids[0])]], scores[position[id(kids[0])]] = parent, kids[0].cum_logprob
+        group.beams, group.scores = beams, scores
+        self.num_generated_tokens += len(chosen)
+        if group.done:
+            for beam in group.beams:
+                self.scheduler.abort(beam)
+            group.beams = []
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's `LLM.beam_search`), all prompts batched together. Beams fork by
+        copy-on-write and free their blocks when pruned; the scores follow Hugging Face (see `beam_search`).
+        Returns, per prompt, its `beam_width` best sequences, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if self.config.batching != "continuous":
+            raise ValueError("beam_search needs batching='continuous' (beams fork and are pruned step by step)")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
+        checked = [self._validate(p, sp, 0) for p in prompts]
+        for ids, _ in checked:
+            need = params.beam_width * -(-(len(ids) + params.max_tokens) // self.config.block_size)
+            if len(ids) + params.max_tokens > self.max_model_len:
+                raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
+                                 f"max_model_len={self.max_model_len}")
+            if need > self.block_manager.num_blocks:
+                raise ValueError(f"beam_width={params.beam_width} beams of {len(ids)} + {params.max_tokens} tokens may "
+                                 f"need {need} KV blocks but the cache has {self.block_manager.num_blocks}; raise "
+                                 "num_kv_blocks or lower beam_width / max_tokens")
+        groups = []
+        for ids, text in checked:
+            group = BeamSearchGroup("", len(ids), params, self.eos_token_ids)
+            group.request_id = self._add(ids, text, sp, 0, None, beam=group)
+            group.beams, group.scores = list(self.samples[group.request_id]), [0.0]
+            self.beam_groups[group.request_id] = group
+            groups.append(group)
+        from tqdm.auto import tqdm
+        with tqdm(total=len(groups), desc="beam_search", disable=not use_tqdm) as bar:
+            last_progress = self.clock()
+            while not all(g.done for g in groups):
+                before = sum(g.done for g in groups)
+                finished, trace = self._step()
+                self.undelivered += finished
+                bar.update(sum(g.done for g in groups) - before)
+                if trace.num_batched_tokens or finished:
+                    last_progress = self.clock()
+                elif self.clock() - last_progress > 30:
+                    raise RuntimeError("beam search made no progress for 30 s (its beams cannot get KV blocks?); "
+                                       "this is a bug, please report it")
+        results = []
+        for group in groups:
+            del self.beam_groups[group.request_id]
+            self.samples.pop(group.request_id, None)
+            for h in group.finished:
+                h.text = self._decode(h.tokens[group.prompt_len:])
+            results.append(BeamSearchOutput(group.finished))
+        return results
 
     # ---- offline API -------------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -243,7 +379,7 @@ class LLM:
         return {
             "num_requests": self.num_requests, "num_requests_finished": self.num_finished, "num_steps": self.num_steps,
             "num_preemptions_total": sch.num_preemptions_total, "num_preemptions_recompute": sch.num_recomputes,
-            "num_preemptions_swap": sch.num_swaps,
+            "num_preemptions_swap": sch.num_swaps, "num_cow_copies": bm.num_cow_copies,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "prefix_cache_queried_tokens": bm.num_queried_tokens,
             "prefix_cache_hit_tokens": bm.num_hit_tokens, "prefix_cache_evictions": bm.num_evictions,
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks,

@@ -226,6 +226,14 @@ class ModelRunner:
                 pool.index_copy_(1, dst, cache.index_select(1, src.to(self.device)).cpu())
 
     @torch.inference_mode()
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy device blocks to device blocks, mapping [(source block, destination block)]."""
+        if mapping:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*mapping))
+            for cache in (self.k_cache, self.v_cache):
+                cache.index_copy_(1, dst, cache.index_select(1, src))
+
+    @torch.inference_mode()
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy swap blocks back to device blocks: mapping [(swap block, device block)]."""
         if mapping:

@@ -57,6 +57,7 @@ class SchedulerOutput:
     swapped_in: list[Sequence] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, swap block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (swap block, device block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (device block, device block): copy-on-write
 
     @property
     def num_batched_tokens(self) -> int:
@@ -132,7 +133,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                bm.append_slot(seq, n)
+                out.blocks_to_copy += bm.append_slot(seq, n)
                 sched[seq.seq_id] = ScheduledSeq(seq, n)
                 budget -= n
         # (b) bring back swapped sequences, then admit waiting ones; neither in a step that had to preempt,
@@ -144,7 +145,7 @@ class Scheduler:
                     break
                 self.swapped.remove(seq)
                 out.blocks_to_swap_in += bm.swap_in(seq)
-                bm.append_slot(seq, n)
+                out.blocks_to_copy += bm.append_slot(seq, n)
                 self._start_running(seq, n, sched)
                 out.swapped_in.append(seq)
                 budget -= n
@@ -176,7 +177,8 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         out.preempted.append(victim)
-        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(victim):
+        # beams are forked while preempted (see beam_search), which needs their KV dropped, not swapped
+        if self.config.preemption_mode == "swap" and victim.beam is None and self.block_manager.can_swap_out(victim):
             out.blocks_to_swap_out += self.block_manager.swap_out(victim)   # KV is kept, in the CPU pool
             victim.status = SequenceStatus.SWAPPED
             self.swapped.append(victim)
@@ -226,8 +228,41 @@ class Scheduler:
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             if seq.seq_id in sampled:
-                seq.append_token(sampled[seq.seq_id], now)
-                self._check_stop(seq)
+                self.append_token(seq, sampled[seq.seq_id], now)
+
+    def append_token(self, seq: Sequence, token_id: int, now: float) -> None:
+        seq.append_token(token_id, now)
+        self._check_stop(seq)
+
+    # ---- sequences that share blocks: n > 1 samples, beams --------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Add `child`, a copy of `parent`'s tokens, sharing `parent`'s KV blocks (copy-on-write) where it has any;
+        a waiting parent (preempted, no KV) gives a waiting child. Returns the block copies to do now
+        (`share_kv_blocks=False`: every block is copied at once)."""
+        child.token_ids = list(parent.token_ids)
+        child.first_scheduled_time = parent.first_scheduled_time
+        if parent.status is SequenceStatus.WAITING or not parent.block_table:
+            child.status = SequenceStatus.WAITING
+            self.waiting.append(child)
+            return []
+        assert parent.status in (SequenceStatus.RUNNING, SequenceStatus.FINISHED), f"cannot fork a {parent.status} sequence"
+        share = self.config.share_kv_blocks
+        if not self.block_manager.can_fork(parent, share):
+            raise RuntimeError(f"no free KV blocks to copy {len(parent.block_table)} blocks for a fork with "
+                               "share_kv_blocks=False; raise num_kv_blocks or share the blocks")
+        copies = self.block_manager.fork(parent, child, share)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return copies
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop `seq` from whichever queue holds it and return its KV blocks (a pruned beam)."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status, seq.finish_time = SequenceStatus.FINISHED, self.clock()
 
     def _check_stop(self, seq: Sequence) -> None:
         sp, last = seq.sampling_params, seq.token_ids[-1]

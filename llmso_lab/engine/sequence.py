@@ -4,10 +4,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from llmso_lab.batching import is_decode
 from llmso_lab.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmso_lab.engine.beam_search import BeamSearchGroup
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +38,10 @@ class Sequence:
     priority: int = 0
     prompt: str | None = None
     generator: torch.Generator | None = None
+    seed: int = 0                      # of `generator`; sample i of an n > 1 request draws with seed + i
+    sample_index: int = 0              # which of the request's n samples (or which beam) this is
+    num_pending_forks: int = 0         # n > 1: samples still to fork from this one when it samples its first token
+    beam: BeamSearchGroup | None = None   # beam search: the group this beam belongs to
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
@@ -56,6 +65,11 @@ class Sequence:
     def index(self) -> int:
         """The policies' final tie-breaker (`llmso_lab.policies`): the order of `add_request`."""
         return self.seq_id
+
+    @property
+    def name(self) -> str:
+        """The request id, with the sample / beam index after a '#' for the second and later ones."""
+        return self.request_id if self.sample_index == 0 else f"{self.request_id}#{self.sample_index}"
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,8 @@ p % block_size` of the paged cache `[num_blocks, block_size, Hkv, D]`. vLLM's ve
 - `can_allocate` / `allocate`: admit a waiting sequence (reusing cached prefix blocks when possible);
 - `may_append` / `append_slot`: grow a running sequence by the tokens it computes this step;
 - `free`: return a finished or preempted sequence's blocks;
+- `fork`: a new sequence (another sample of a request, a new beam) shares its parent's blocks; a write into a
+  block that someone else still holds first copies it (copy-on-write; `append_slot` returns the copies);
 - `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back. Swap composes
   with prefix caching: blocks shared with other sequences stay on the device (still referenced: copying them
   would free nothing), and at swap-in a block still in the prefix cache is shared again instead of copied.
@@ -69,6 +71,7 @@ class BlockManager:
         self.num_queried_tokens = 0    # prefix-cache statistics, in tokens, counted at admission
         self.num_hit_tokens = 0
         self.num_evictions = 0
+        self.num_cow_copies = 0        # blocks copied because a sequence wrote into a shared one
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -149,8 +152,15 @@ class BlockManager:
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
+    def _shared_in_write_range(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Indices of the blocks `seq` will write this step's tokens into that another table also holds."""
+        first, end = seq.num_computed_tokens // self.block_size, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        return [i for i in range(first, min(end, len(seq.block_table))) if self.blocks[seq.block_table[i]].ref_count > 1]
+
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
+        """Fresh blocks `seq` needs to compute `num_new_tokens` more tokens: new ones, plus copies of shared ones."""
+        grow = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
+        return grow + len(self._shared_in_write_range(seq, num_new_tokens))
 
     # ---- admission ---------------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
@@ -195,11 +205,41 @@ class BlockManager:
         """Are there enough free blocks for `seq` to compute `num_new_tokens` more tokens?"""
         return self._blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
-    def append_slot(self, seq: Sequence, num_new_tokens: int = 1) -> None:
-        """Grow `seq.block_table` to cover its next `num_new_tokens` tokens."""
-        needed = self._blocks_needed(seq, num_new_tokens)
-        assert needed <= self.num_free_blocks, "call may_append first"
-        seq.block_table.extend(self._take_free_block() for _ in range(needed))
+    def append_slot(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+        """Grow `seq.block_table` to cover its next `num_new_tokens` tokens. A block those tokens go into that
+        another sequence still holds is copied first (copy-on-write): `seq` gets the copy and the other holders
+        keep the original. Returns the (source block, destination block) copies to do before the forward."""
+        assert self._blocks_needed(seq, num_new_tokens) <= self.num_free_blocks, "call may_append first"
+        copies = []
+        for i in self._shared_in_write_range(seq, num_new_tokens):
+            src = seq.block_table[i]
+            seq.block_table[i] = self._take_free_block()
+            self._release(src)                    # still held by the others: ref_count stays >= 1
+            copies.append((src, seq.block_table[i]))
+        grow = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        seq.block_table.extend(self._take_free_block() for _ in range(grow))
+        self.num_cow_copies += len(copies)
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence, share: bool = True) -> list[tuple[int, int]]:
+        """`child` (holding no blocks) continues from `parent`'s computed tokens. share=True: it holds the same
+        blocks (ref_count += 1); a later write into a shared block copies it then (`append_slot`).
+        share=False: every block is copied now (a system without sharing; needs free blocks, see `can_fork`).
+        Returns the (source block, destination block) copies to do before the next forward."""
+        assert not child.block_table and not parent.swap_table, "fork a running parent into an empty child"
+        child.num_computed_tokens, child.prefix_ids = parent.num_computed_tokens, list(parent.prefix_ids)
+        copies = []
+        for block_id in parent.block_table:
+            if share:
+                self._share(block_id)
+                child.block_table.append(block_id)
+            else:
+                child.block_table.append(self._take_free_block())
+                copies.append((block_id, child.block_table[-1]))
+        return copies
+
+    def can_fork(self, parent: Sequence, share: bool = True) -> bool:
+        return share or len(parent.block_table) <= self.num_free_blocks
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Cache each block of `seq` that is now full and computed, so later sequences can share it."""
