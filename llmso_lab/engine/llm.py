@@ -47,7 +47,8 @@ class LLM:
                  scheduling_policy: str = "fcfs", preemption_mode: str = "recompute",
                  swap_space_blocks: int | None = None, attention_backend: str = "torch", seed: int = 0,
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
-                 dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
+                 dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, prefix_caching_algo: str = "hash",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, batching=batching,
@@ -55,7 +56,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
             seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging,
-            dtype=dtype, share_kv_blocks=share_kv_blocks)
+            dtype=dtype, share_kv_blocks=share_kv_blocks, prefix_caching_algo=prefix_caching_algo)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
