@@ -35,6 +35,12 @@ class LLM:
     kernel; `llmso-lab bench precision` measures all three). The default stays "float32" (vLLM's is "auto")
     because the labs compare the engine with Hugging Face fp32 token for token.
 
+    Sharing (lecture 1-2): `SamplingParams(n=N)` computes the prompt once and forks N samples that share its KV
+    blocks; `beam_search` forks and prunes beams the same way. A write into a shared block copies it first
+    (copy-on-write). `share_kv_blocks=False` copies every block at the fork instead (the baseline without
+    reference counts: same tokens, more memory). `prefix_caching_algo="radix"` caches prefixes in a radix tree
+    over tokens (SGLang) instead of a hash chain over full blocks (vLLM).
+
     Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
     `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
     can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
