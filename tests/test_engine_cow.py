@@ -244,3 +244,10 @@ def test_random_workloads_with_forks_preemption_and_caching_keep_invariants(mode
     assert done == expected
     assert llm.stats()["num_preemptions_total"] > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks   # no leak
+
+
+def test_bench_cow_sweep_matches_the_sharing_formula():
+    from llmso_lab.bench.cow import sweep
+
+    for row in sweep((16, 64), (32, 96), n=4):
+        assert row["saving"] == pytest.approx(row["formula"]), row   # (n-1)/n x prompt/(prompt+output), block-aligned
