@@ -187,15 +187,14 @@ class LLM:
         logits = self.model_runner.execute(out)              # [rows, V]: sampling sequences (+ idle static rows)
         rows = [item for item in out.scheduled if item.sample or item.idle]
         sampling = [(r, item.seq) for r, item in enumerate(rows) if item.sample]
-        if len(sampling) < len(rows):
-            logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
-        for r, (_, seq) in enumerate(sampling):   # a beam's next-token log-probs wait for its group (see beam_search)
+        beams = [seq for r, seq in sampling if seq.beam is not None]
+        for r, seq in sampling:   # a beam's next-token log-probs wait for the rest of its group (`_beam_step`)
             if seq.beam is not None:
                 seq.beam.pending[seq.seq_id] = logits[r].float().cpu().log_softmax(-1)
-        rows_seqs = [(r, seq) for r, (_, seq) in enumerate(sampling) if seq.beam is None]
-        seqs = [seq for _, seq in rows_seqs]
-        if len(seqs) < len(sampling):
-            logits = logits[[r for r, _ in rows_seqs]]
+        sampling = [(r, seq) for r, seq in sampling if seq.beam is None]
+        if len(sampling) < len(rows):
+            logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
+        seqs = [seq for _, seq in sampling]
         tokens = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs]) if seqs else []
         now = self.clock()
         self.scheduler.update(out, {s.seq_id: t for s, t in zip(seqs, tokens)}, now)
@@ -207,7 +206,7 @@ class LLM:
                 self.scheduler.append_token(child, sample_token(logits[r].cpu(), seq.sampling_params, child.generator), now)
                 self.num_generated_tokens += 1
             seq.num_pending_forks = 0
-        for group in {seq.beam.request_id: seq.beam for _, seq in sampling if seq.beam is not None}.values():
+        for group in {seq.beam.request_id: seq.beam for seq in beams}.values():
             if group.ready():
                 self._beam_step(group, now)
 
