@@ -52,9 +52,13 @@ class TorchAttentionBackend:
     name = "torch"
     decode_group_cost: int | None = GROUP_COST_BLOCKS   # see decode_groups; None: one padded group
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 v_head_dim: int | None = None, scale: float | None = None, latent: bool = False) -> None:
+        """`latent` (MLA): the value is the first `v_head_dim` numbers of the key (`v_cache` is a view of
+        `k_cache`), so only the key is stored; `scale` then differs from head_dim^-0.5 (see engine.mla)."""
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.block_size, self.scale = block_size, head_dim ** -0.5
+        self.v_head_dim, self.latent = v_head_dim or head_dim, latent
+        self.block_size, self.scale = block_size, head_dim ** -0.5 if scale is None else scale
         self._memo: dict = {}
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -68,7 +72,8 @@ class TorchAttentionBackend:
     def store_kvcache(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
         """k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T]."""
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
+        if not self.latent:
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> Tensor:
@@ -76,7 +81,7 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         if nd == q.shape[0]:   # a pure decode step
             return self._decode(q, k_cache, v_cache, meta, sliding_window)
-        out = q.new_empty(q.shape)
+        out = q.new_empty((*q.shape[:2], self.v_head_dim))
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, sliding_window)
         s = nd
@@ -94,7 +99,7 @@ class TorchAttentionBackend:
             meta.block_tables[:B], meta.context_lens_host[:B], self.block_size, self.decode_group_cost))
         if len(groups) == 1:
             return self._decode_group(q, k_cache, v_cache, 0, groups[0], window)
-        out = q.new_empty(q.shape)
+        out = q.new_empty((*q.shape[:2], self.v_head_dim))
         for g, group in enumerate(groups):
             o = self._decode_group(q.index_select(0, group.rows), k_cache, v_cache, g, group, window)
             out.index_copy_(0, group.rows, o)
@@ -105,9 +110,9 @@ class TorchAttentionBackend:
         """q [B, H, D] of the group's rows -> [B, H, D]: their blocks gathered to [B, Hkv, S, D], one SDPA."""
         B, G = q.shape[0], self.num_heads // self.num_kv_heads
         # index_select, not k_cache[tables]: on CPU advanced indexing is ~1000x slower here
-        shape = (B, group.S, self.num_kv_heads, self.head_dim)
+        shape = (B, group.S, self.num_kv_heads, -1)
         k = k_cache.index_select(0, group.blocks).view(shape).transpose(1, 2)   # [B, Hkv, S, D]
-        v = v_cache.index_select(0, group.blocks).view(shape).transpose(1, 2)
+        v = v_cache.index_select(0, group.blocks).view(shape).transpose(1, 2)   # [B, Hkv, S, Dv]
         mask, keys = self._cached(("decode_mask", g, window),
                                   lambda: self._decode_mask(group.ctx, group.S, window, q.device, q.dtype))
         if keys is not None:   # every sequence has the same context: slice instead of masking
@@ -115,7 +120,7 @@ class TorchAttentionBackend:
         # GQA without repeating K/V: the G query heads that share a KV head act as G query rows.
         qg = q.reshape(B, self.num_kv_heads, G, self.head_dim)          # [B, Hkv, G, D]
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
-        return o.reshape(B, self.num_heads, self.head_dim)
+        return o.reshape(B, self.num_heads, self.v_head_dim)
 
     @staticmethod
     def _decode_mask(ctx: list[int], S: int, window: int | None, device: torch.device,
@@ -140,7 +145,7 @@ class TorchAttentionBackend:
             return o[0].transpose(0, 1)
         index = self._cached(("prefill_index", i), lambda: meta.block_tables[i, :-(-ctx // self.block_size)].long())
         kc = k_cache.index_select(0, index).view(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)  # [Hkv, ctx, D]
-        vc = v_cache.index_select(0, index).view(-1, self.num_kv_heads, self.head_dim)[:ctx].transpose(0, 1)
+        vc = v_cache.index_select(0, index).view(-1, self.num_kv_heads, self.v_head_dim)[:ctx].transpose(0, 1)
         mask = self._cached(("prefill_mask", i, window), lambda: self._prefill_mask(start, n, ctx, window, q.device, q.dtype))
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None], vc[None], attn_mask=mask, scale=self.scale,
                                            enable_gqa=True)

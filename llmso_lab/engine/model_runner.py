@@ -1,6 +1,7 @@
 """Model runner: step 4 of the loop. Runs Hugging Face Llama-family weights itself on one flattened batch.
 
-Supported: Llama (SmolLM2), Mistral (sliding window), Qwen2 (q/k/v bias): embed -> L x [RMSNorm ->
+Supported: Llama (SmolLM2), Mistral (sliding window), Qwen2 (q/k/v bias), and DeepSeek-V3's MLA attention with
+dense MLPs (`llmso_lab.engine.mla`: a latent cache, absorbed attention). Llama family: embed -> L x [RMSNorm ->
 fused QKV -> RoPE -> paged-cache write -> attention -> o_proj -> residual -> RMSNorm -> fused gate/up ->
 SwiGLU -> down -> residual] -> RMSNorm -> LM head (tied or not). Weights are read once from the HF module
 (q/k/v and gate/up concatenated so each is a single matmul) and cast to the engine's dtype; the HF forward is
@@ -19,20 +20,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmso_lab.engine.attention import AttentionMetadata, make_attention_backend
+from llmso_lab.engine.mla import MLAShape, MLAWeights, load_mla, mla_layer
 
 if TYPE_CHECKING:
     from llmso_lab.engine.config import EngineConfig
     from llmso_lab.engine.scheduler import SchedulerOutput
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "deepseek_v3")
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: Tensor            # [hidden]
-    qkv: Tensor                   # [hidden, (H + 2 Hkv) * D]: q, k, v projections in one matmul
+    qkv: Tensor | None            # [hidden, (H + 2 Hkv) * D]: q, k, v projections in one matmul (None: MLA)
     qkv_bias: Tensor | None       # Qwen2
-    o: Tensor                     # [H * D, hidden]
+    o: Tensor | None              # [H * D, hidden]
     o_bias: Tensor | None
     post_norm: Tensor             # [hidden]
     gate_up: Tensor               # [hidden, 2 * I]: gate and up projections in one matmul
@@ -40,6 +42,7 @@ class LayerWeights:
     down: Tensor                  # [I, hidden]
     down_bias: Tensor | None
     sliding_window: int | None    # Mistral / Qwen2 sliding-window layers
+    mla: MLAWeights | None = None  # DeepSeek MLA attention instead of qkv / o
 
 
 def _cat(*ts: Tensor | None) -> Tensor | None:
@@ -111,11 +114,19 @@ class ModelRunner:
         self.eps, self.vocab_size = cfg.rms_norm_eps, cfg.vocab_size
         self.dtype, self.device = config.torch_dtype, model.get_input_embeddings().weight.device
         self.block_size, self.null_block = block_size, num_kv_blocks
-        self.backend = make_attention_backend(config.attention_backend, num_heads=self.num_heads,
-                                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=block_size)
+        self.mla = MLAShape.from_config(cfg) if cfg.model_type == "deepseek_v3" else None
+        if self.mla is None:
+            self.backend = make_attention_backend(config.attention_backend, num_heads=self.num_heads,
+                                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=block_size)
+        else:   # the latent cache: one "KV head" of r + dr numbers per token, the value its first r
+            self.num_kv_heads, self.head_dim = 1, self.mla.cache_dim
+            self.backend = make_attention_backend(
+                config.attention_backend, num_heads=self.num_heads, num_kv_heads=1, head_dim=self.mla.cache_dim,
+                block_size=block_size, v_head_dim=self.mla.latent_dim, latent=True,
+                scale=float(model.model.layers[0].self_attn.scaling))
         windows = sliding_windows(cfg, max_model_len)
         with torch.no_grad():
-            self.layers = [self._load_layer(layer, w, self.dtype) for layer, w in zip(model.model.layers, windows)]
+            self.layers = [self._load_layer(layer, w, self.dtype, self.mla) for layer, w in zip(model.model.layers, windows)]
             self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)   # [V, hidden]
             self.final_norm = model.model.norm.weight.detach().to(self.dtype)
             self.lm_head = _t(model.get_output_embeddings().weight, self.dtype)       # [hidden, V] (a copy even when tied)
@@ -124,28 +135,40 @@ class ModelRunner:
             sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)                   # signed for apply_rope
             self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)   # [max_model_len, D]
         shape = (self.num_layers, num_kv_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache, self.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
-        self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
         swap_shape = (self.num_layers, config.swap_space_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
+        if self.mla is None:
+            self.k_cache, self.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
+        else:   # one latent tensor; the "V cache" is a view of its first r numbers (nothing stored twice)
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_cache = self.k_cache[..., :self.mla.latent_dim]
+            self.k_swap = torch.zeros(swap_shape, dtype=self.dtype)
+            self.v_swap = self.k_swap[..., :self.mla.latent_dim]
+        self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
+        self.cache_pairs = [(self.k_cache, self.k_swap)] + ([(self.v_cache, self.v_swap)] if self.mla is None else [])
 
     @staticmethod
-    def _load_layer(layer, window: int | None, dtype: torch.dtype) -> LayerWeights:
+    def _load_layer(layer, window: int | None, dtype: torch.dtype, mla: MLAShape | None = None) -> LayerWeights:
         a, m = layer.self_attn, layer.mlp
         cast = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
+        bias = lambda lin: getattr(lin, "bias", None)  # noqa: E731
+        gqa = mla is None
         return LayerWeights(
             input_norm=cast(layer.input_layernorm.weight),
-            qkv=_t(_cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), dtype),
-            qkv_bias=cast(_cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)),
-            o=_t(a.o_proj.weight, dtype), o_bias=cast(_cat(a.o_proj.bias)),
+            qkv=_t(_cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), dtype) if gqa else None,
+            qkv_bias=cast(_cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)) if gqa else None,
+            o=_t(a.o_proj.weight, dtype) if gqa else None, o_bias=cast(_cat(a.o_proj.bias)) if gqa else None,
             post_norm=cast(layer.post_attention_layernorm.weight),
             gate_up=_t(_cat(m.gate_proj.weight, m.up_proj.weight), dtype),
-            gate_up_bias=cast(_cat(m.gate_proj.bias, m.up_proj.bias)),
-            down=_t(m.down_proj.weight, dtype), down_bias=cast(_cat(m.down_proj.bias)), sliding_window=window)
+            gate_up_bias=cast(_cat(bias(m.gate_proj), bias(m.up_proj))),
+            down=_t(m.down_proj.weight, dtype), down_bias=cast(_cat(bias(m.down_proj))), sliding_window=window,
+            mla=None if gqa else load_mla(a, mla, dtype, _t))
 
     def weight_matrices(self) -> list[Tensor]:
         """The matrices one forward multiplies by, in order: q/k/v, o, gate/up, down per layer, then the LM head."""
-        return [m for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [self.lm_head]
+        attn = lambda w: (w.qkv, w.o) if w.mla is None else tuple(  # noqa: E731
+            m for m in (w.mla.q, w.mla.q_a, w.mla.q_b, w.mla.kv_a, w.mla.o) if m is not None)
+        return [m for w in self.layers for m in (*attn(w), w.gate_up, w.down)] + [self.lm_head]
 
     # ---- batch construction ------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
@@ -203,6 +226,12 @@ class ModelRunner:
         self.backend.plan(meta)
         for w, (k_cache, v_cache) in zip(self.layers, self.layer_caches):
             x = rms_norm(h, w.input_norm, self.eps)
+            if w.mla is not None:
+                h = h + mla_layer(x, w.mla, self.mla, self.backend, k_cache, v_cache, meta, cos, sin, rms_norm, apply_rope)
+                x = rms_norm(h, w.post_norm, self.eps)
+                gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+                h = h + linear(F.silu(gate) * up, w.down, w.down_bias)
+                continue
             qkv = linear(x, w.qkv, w.qkv_bias)                               # [T, (H + 2 Hkv) * D]
             qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)   # q and k heads in one go
             q, k = qk[:, :H], qk[:, H:]                                      # [T, H, D], [T, Hkv, D]
@@ -222,7 +251,7 @@ class ModelRunner:
         """Copy device blocks to the swap pool: mapping [(device block, swap block)]."""
         if mapping:
             src, dst = (torch.tensor(x) for x in zip(*mapping))
-            for cache, pool in ((self.k_cache, self.k_swap), (self.v_cache, self.v_swap)):
+            for cache, pool in self.cache_pairs:
                 pool.index_copy_(1, dst, cache.index_select(1, src.to(self.device)).cpu())
 
     @torch.inference_mode()
@@ -230,7 +259,7 @@ class ModelRunner:
         """Copy-on-write: copy device blocks to device blocks, mapping [(source block, destination block)]."""
         if mapping:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*mapping))
-            for cache in (self.k_cache, self.v_cache):
+            for cache, _ in self.cache_pairs:
                 cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @torch.inference_mode()
@@ -238,7 +267,7 @@ class ModelRunner:
         """Copy swap blocks back to device blocks: mapping [(swap block, device block)]."""
         if mapping:
             src, dst = (torch.tensor(x) for x in zip(*mapping))
-            for cache, pool in ((self.k_cache, self.k_swap), (self.v_cache, self.v_swap)):
+            for cache, pool in self.cache_pairs:
                 cache.index_copy_(1, dst.to(self.device), pool.index_select(1, src).to(self.device))
 
 
@@ -247,6 +276,14 @@ def check_model_config(cfg) -> None:
         raise ValueError(f"model_type {cfg.model_type!r} is not supported; valid: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; the engine implements SwiGLU (silu)")
+    if cfg.model_type == "deepseek_v3":
+        if cfg.first_k_dense_replace < cfg.num_hidden_layers:
+            raise ValueError(f"this DeepSeek config has MoE layers (first_k_dense_replace={cfg.first_k_dense_replace} < "
+                             f"num_hidden_layers={cfg.num_hidden_layers}); the engine serves MLA with dense MLPs: set "
+                             "first_k_dense_replace = num_hidden_layers")
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"MLA with rope_type {rope.get('rope_type')!r} is not supported; use rope_scaling=None")
 
 
 def sliding_windows(cfg, max_model_len: int) -> list[int | None]:
@@ -259,6 +296,8 @@ def sliding_windows(cfg, max_model_len: int) -> list[int | None]:
 
 
 def kv_cache_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     elem = torch.tensor([], dtype=dtype).element_size()
+    if cfg.model_type == "deepseek_v3":   # MLA: one latent [c_kv, k_pe] per token and layer, no separate V
+        return cfg.num_hidden_layers * block_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * elem

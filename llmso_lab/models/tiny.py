@@ -43,3 +43,23 @@ def tiny_mixtral(num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager",
     )
     return _seeded(lambda: MixtralForCausalLM(cfg), seed, dtype)
+
+
+def tiny_deepseek_v3(num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, kv_lora_rank: int = 32,
+                     q_lora_rank: int | None = None, qk_nope_head_dim: int = 16, qk_rope_head_dim: int = 8,
+                     v_head_dim: int = 16, vocab_size: int = 256, rope_interleave: bool = True,
+                     initializer_range: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random `DeepseekV3ForCausalLM` with MLA attention and dense MLPs only (first_k_dense_replace =
+    num_layers): the latent KV cache is kv_lora_rank + qk_rope_head_dim numbers per token and layer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_heads, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+        first_k_dense_replace=num_layers, n_routed_experts=4, num_experts_per_tok=2, rope_scaling=None,
+        rope_interleave=rope_interleave, max_position_embeddings=2048, initializer_range=initializer_range,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager",
+    )
+    return _seeded(lambda: DeepseekV3ForCausalLM(cfg), seed, dtype)
