@@ -2,7 +2,8 @@
 
 - reference: naive N x N attention, FlashAttention's online softmax in torch, the split merge rule.
 - varlen: packed variable-length batches (cu_seqlens) and the paged KV cache, in torch.
-- triton_flash / triton_decode / triton_paged: FlashAttention forward, FlashDecoding, PagedAttention.
+- triton_flash / triton_decode / triton_paged / triton_mla: FlashAttention forward, FlashDecoding,
+  PagedAttention, and MLA decode over a latent paged cache (`mla` holds its torch references).
 
 On CPU the kernels run under the Triton interpreter (set TRITON_INTERPRET=1 before they are first used);
 where Triton is not installed (macOS, Windows) the kernel names fall back to the torch references.
@@ -21,11 +22,11 @@ __all__ = [
     "naive_attention", "online_softmax_update", "flash_attention_torch", "merge_attention_states",
     "flash_decoding_torch", "repeat_kv", "causal_mask",
     "build_cu_seqlens", "varlen_attention_torch", "gather_paged_kv", "paged_attention_torch",
-    "flash_attention", "flash_decoding", "paged_decode_attention",
+    "flash_attention", "flash_decoding", "paged_decode_attention", "mla_paged_decode_attention",
 ]
 
 _KERNEL_MODULES = {"flash_attention": "triton_flash", "flash_decoding": "triton_decode",
-                   "paged_decode_attention": "triton_paged"}
+                   "paged_decode_attention": "triton_paged", "mla_paged_decode_attention": "triton_mla"}
 
 
 def __getattr__(name: str):

@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 
 from .backend import warn_fallback
+from .mla import mla_paged_decode_torch
 from .reference import flash_attention_torch, flash_decoding_torch
 from .varlen import paged_attention_torch, varlen_attention_torch
 
-__all__ = ["flash_attention", "flash_decoding", "paged_decode_attention"]
+__all__ = ["flash_attention", "flash_decoding", "paged_decode_attention", "mla_paged_decode_attention"]
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -39,3 +40,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Torch fallback of triton_paged.paged_decode_attention (num_splits does not change the result)."""
     warn_fallback("paged_decode_attention")
     return paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
+
+
+def mla_paged_decode_attention(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
+                               context_lens: torch.Tensor, latent_dim: int, scale: float,
+                               num_splits: int | None = None) -> torch.Tensor:
+    """Torch fallback of triton_mla.mla_paged_decode_attention."""
+    warn_fallback("mla_paged_decode_attention")
+    return mla_paged_decode_torch(q, latent_cache, block_tables, context_lens, latent_dim, scale)

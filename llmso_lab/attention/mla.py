@@ -10,10 +10,15 @@ so attention runs over the latent itself: multi-query attention with key [c_kv, 
 (r), one "KV head" for all query heads. RoPE must stay out of the absorbed part (a position-dependent rotation
 between q and W_UK would not fold into a fixed matrix), which is why DeepSeek gives RoPE its own small key.
 
+`mla_paged_decode_torch` is the same absorbed decode over a paged latent cache: the oracle of the Triton kernel
+(`triton_mla`).
+
 Shapes: q_nope [T, H, dn], q_pe [T, H, dr], c_kv [S, r], k_pe [S, dr], w_uk [H, dn, r], w_uv [H, dv, r];
 output [T, H, dv]. `causal` aligns the T queries with the last T of the S keys (bottom-right).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -54,3 +59,19 @@ def mla_decode_absorbed(q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor
     o_latent = F.scaled_dot_product_attention(q[None], kv[None, None], c_kv[None, None], scale=scale,
                                               attn_mask=_mask(q.shape[1], kv.shape[0], causal, q.device))
     return torch.einsum("htr,hvr->thv", o_latent[0], w_uv)                      # [T, H, dv]
+
+
+def mla_paged_decode_torch(q: torch.Tensor, latent_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:
+    """Absorbed decode over a paged latent cache, one sequence at a time: q [B, H, r + dr] (absorbed),
+    latent_cache [num_blocks, block_size, 1, r + dr] -> [B, H, r]; the oracle of `triton_mla`."""
+    out = q.new_zeros(q.shape[0], q.shape[1], latent_dim)
+    bs = latent_cache.shape[1]
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        rows = latent_cache[block_tables[b, :math.ceil(n / bs)].long()].reshape(-1, latent_cache.shape[-1])[:n]  # [n, D]
+        p = torch.softmax((q[b].float() @ rows.float().T) * scale, dim=-1)                                  # [H, n]
+        out[b] = (p @ rows[:, :latent_dim].float()).to(q.dtype)
+    return out

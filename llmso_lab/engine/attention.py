@@ -168,6 +168,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
     - decodes: `paged_decode_attention` reads each sequence's keys through its block table;
     - prefills: `flash_attention` in varlen form — on the new K/V when nothing is cached, or on the
       sequence's gathered cache when a chunk follows cached tokens (bottom-right causal: Nq < Nk).
+    - MLA (a latent cache): decodes by `mla_paged_decode_attention`, prefills on the torch path.
     The torch path remains for what the kernels do not cover: sliding windows, and a right-padded static
     row after cached tokens (its padding would shift the bottom-right causal alignment).
     """
@@ -179,18 +180,21 @@ class TritonAttentionBackend(TorchAttentionBackend):
         from llmso_lab import attention as kernels  # imports triton lazily, on first use
 
         self._flash, self._paged = kernels.flash_attention, kernels.paged_decode_attention
+        self._mla = kernels.mla_paged_decode_attention
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                 window: int | None) -> Tensor:
         if window is not None:
             return super()._decode(q, k_cache, v_cache, meta, window)
         B = q.shape[0]
+        if self.latent:   # MLA: one load of each latent tile serves as K and V for every head
+            return self._mla(q, k_cache, meta.block_tables[:B], meta.context_lens[:B], self.v_head_dim, self.scale)
         return self._paged(q, k_cache, v_cache, meta.block_tables[:B], meta.context_lens[:B], scale=self.scale)
 
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata, i: int, window: int | None) -> Tensor:
         start, ctx, n = meta.start_positions[i], meta.context_lens_host[i], q.shape[0]
-        if window is not None or (start > 0 and start + n != ctx):
+        if window is not None or (start > 0 and start + n != ctx) or self.latent:   # (the flash kernel wants Dv = Dk)
             return super()._prefill(q, k, v, k_cache, v_cache, meta, i, window)
         if start > 0:  # a chunk after cached tokens: attend over the sequence's whole cache
             index = meta.block_tables[i, :-(-ctx // self.block_size)].long()

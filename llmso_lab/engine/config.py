@@ -64,9 +64,6 @@ class EngineConfig:
         """Fill in torch_dtype, max_model_len, num_kv_blocks and swap_space_blocks for this model on `device`;
         check they can work."""
         check_model_config(model_config)
-        if model_config.model_type == "deepseek_v3" and self.attention_backend != "torch":
-            raise ValueError("MLA models (deepseek_v3) run on attention_backend='torch' (absorbed attention over the "
-                             "latent cache); the Triton backend's kernels expect per-head K and V")
         self.torch_dtype, self.dtype_reason = resolve_dtype(self.dtype, device, self.attention_backend)
         dtype = self.torch_dtype
         limit = model_config.max_position_embeddings
