@@ -362,3 +362,14 @@ def test_gpu_decode_kernels(dtype):
     for splits in (None, 1, 5):
         o = A.paged_decode_attention(q.cuda(), kc.cuda(), vc.cuda(), tables.cuda(), ctx.cuda(), num_splits=splits)
         torch.testing.assert_close(o.float().cpu(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_gpu_bench_code_path_dry_runs_on_cpu():
+    """`make gpu-bench` runs `bench attention` on a GPU we rarely have: its GPU code runs here on tiny shapes under
+    the interpreter, so a lent GPU's one try does not die on a typo. The figures themselves mean nothing on CPU."""
+    from llmso_lab.bench.attention import _gpu_rows
+
+    rows, ratios = _gpu_rows(False, torch.device("cpu"), small=True)
+    assert {r["part"] for r in rows} == {"forward", "paged_decode", "flash_decoding", "mla_decode"}
+    assert all(r["max_err_vs_sdpa"] < 1e-5 for r in rows if r["part"] == "forward")
+    assert {"mla_over_gqa_decode_time", "paged_decode_over_copy_bandwidth_0k"} <= set(ratios)

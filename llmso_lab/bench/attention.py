@@ -8,6 +8,7 @@
 - forward (CUDA): TFLOP/s of the Triton kernel vs torch SDPA (flash backend) vs naive.
 - paged decode (CUDA): achieved GB/s of paged_decode_attention vs a measured device copy.
 - flash decoding (CUDA): split-KV vs no split at batch 1 and a long context.
+- MLA decode (CUDA): the latent paged kernel (DeepSeek-V3 shapes) vs the GQA paged kernel, same batch/context.
 """
 from __future__ import annotations
 
@@ -204,16 +205,43 @@ def _decode_rows(device: torch.device, dtype, batch: int, context: int, split_co
     return rows, ratios
 
 
+def _mla_rows(device: torch.device, dtype, batch: int, context: int, heads: int = 128, latent: int = 512,
+              rope: int = 64) -> tuple[list[dict], dict]:
+    """MLA decode over a paged latent cache (DeepSeek-V3: 128 heads, 512 + 64 latent) vs the GQA paged kernel on
+    the lecture's 8 KV heads x 128: bytes read per token and time, same batch and context."""
+    from llmso_lab.attention import mla_paged_decode_attention
+
+    bs = 16
+    num_blocks = batch * context // bs
+    cache = torch.randn(num_blocks, bs, 1, latent + rope, device=device, dtype=dtype)
+    tables = torch.randperm(num_blocks, device=device).view(batch, -1).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, latent + rope, device=device, dtype=dtype)
+    nbytes = cache.numel() * cache.element_size()
+    ms = _ms(lambda: mla_paged_decode_attention(q, cache, tables, lens, latent, 0.1), device)
+    row = {"part": "mla_decode", "batch": batch, "context": context, "heads": heads, "latent": latent + rope,
+           "ms": round(ms, 4), "GB_s": round(nbytes / (ms * 1e-3) / 1e9, 1),
+           "kv_bytes_per_token_layer": (latent + rope) * cache.element_size()}
+    return [row], {f"mla_decode_GB_s_{context // 1024 or context}": row["GB_s"]}
+
+
 def _gpu_rows(quick: bool, device: torch.device, small: bool = False) -> tuple[list[dict], dict]:
     """All CUDA measurements (small=True: tiny shapes, to dry-run this code on CPU)."""
     if small:
         fwd = _forward_rows(device, [32, 64], [16], [torch.float32], tokens=64, width=32)
         dec, ratios = _decode_rows(device, torch.float32, 2, 64, [128])
+        mla, mla_ratios = _mla_rows(device, torch.float32, 2, 64, heads=4, latent=32, rope=8)
     else:
         sizes = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
         fwd = _forward_rows(device, sizes, [64, 128], [torch.float16] if quick else
                             [torch.float16, torch.bfloat16], tokens=16384)
         dec, ratios = _decode_rows(device, torch.float16, 32, 8192, [16384] if quick else [16384, 65536])
+        mla, mla_ratios = _mla_rows(device, torch.float16, 32, 8192)
+    ratios.update(mla_ratios)
+    if any(r["part"] == "paged_decode" for r in dec):   # the same batch and context in GQA: what MLA saves
+        gqa = next(r for r in dec if r["part"] == "paged_decode")
+        ratios["mla_over_gqa_decode_time"] = round(mla[0]["ms"] / gqa["ms"], 3)
+    dec = dec + mla
     for r in fwd:
         t, ref = r.get("triton_tflops"), r.get("sdpa_flash_tflops")
         if isinstance(t, float) and isinstance(ref, float) and ref > 0:
