@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmso_lab.engine.attention import AttentionMetadata, make_attention_backend
+from llmso_lab import hardware as hw
 
 if TYPE_CHECKING:
     from llmso_lab.engine.config import EngineConfig
@@ -259,6 +260,7 @@ def sliding_windows(cfg, max_model_len: int) -> list[int | None]:
 
 
 def kv_cache_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block (K and V of `block_size` tokens, every layer): `hardware.kv_cache_bytes`."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * elem
+    return hw.kv_cache_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, elem, block_size)
