@@ -10,9 +10,9 @@ For each, in one run:
 2. KV bytes per token (`hardware.kv_cache_bytes`, in the engine's fp32 and in bf16) and how many sequences of
    the long context fit a 1 GiB KV cache as the engine sizes it;
 3. engine decode tokens/s (`LLM`, fp32, torch attention, greedy, EOS ignored): batch 1 after a short prompt, and
-   a large batch with long contexts (16 x 1,024 tokens; `--quick`: 8 x 512; 32 x 1,024 needs ~10 GB). The three engines take steps in
-   turn (so a busy machine slows them alike); the speed is batch / median wall time of the steps that decode
-   the whole batch and prefill nothing.
+   a large batch with long contexts (16 x 1,024 tokens; `--quick`: 8 x 512; `batch=32` works too but holds
+   ~10 GB). The three engines take steps in turn (so a busy machine slows them alike); the speed is
+   batch / median wall time of the steps that decode the whole batch and prefill nothing.
 
 `batch_step_MB_read` is what one decode step of the large batch must read (`hardware.decode_bytes_per_step`: the
 fp32 weights once + every sequence's KV): where decode is memory-bound, the speed-up follows its ratio.
@@ -29,8 +29,8 @@ import statistics
 import time
 
 from llmso_lab.bench.attention import _device_name
-from llmso_lab.hardware import decode_bytes_per_step, kv_cache_bytes
-from llmso_lab.models.shapes import kv_sizing_table
+from llmso_lab.hardware import decode_bytes_per_step
+from llmso_lab.models.shapes import ModelShape, kv_sizing_table
 
 __all__ = ["run", "variants", "decode_speeds", "FULL", "QUICK"]
 
@@ -43,7 +43,6 @@ def variants(model) -> dict[str, tuple[object, str]]:
     """{attention kind: (model, how it was made)} for MHA, the model as trained, and MQA (distinct KV head
     counts only: a model trained as MHA gives two entries)."""
     from llmso_lab.models.kv_heads import kv_head_counts, to_mha, to_mqa
-    from llmso_lab.models.shapes import ModelShape
 
     heads, kv = kv_head_counts(model)
     out: dict[str, tuple[object, str]] = {}
@@ -57,7 +56,7 @@ def variants(model) -> dict[str, tuple[object, str]]:
 
 def decode_speeds(models: dict[str, object], tokenizer, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
     """Greedy decode of `prompts` (all at once, EOS ignored) on one engine per model, each engine's cache sized
-    to hold exactly them (`hardware.kv_cache_bytes`, fp32). The engines take steps in turn, one each, so that
+    to hold exactly them (`ModelShape.kv_cache_bytes`, fp32). The engines take steps in turn, one each, so that
     whatever else runs on the machine slows them alike.
 
     Per model: "tok_s" (batch / median wall time of the steps that decode every sequence and prefill nothing),
@@ -68,9 +67,7 @@ def decode_speeds(models: dict[str, object], tokenizer, prompts: list[list[int]]
     max_len = max(map(len, prompts)) + max_tokens
     engines, step_s, outputs = {}, {k: [] for k in models}, {k: {} for k in models}
     for name, model in models.items():
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        budget = kv_cache_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, 4, -(-max_len // block) * block, B)
+        budget = ModelShape.from_hf_config(model.config).kv_cache_bytes(-(-max_len // block) * block, B, bytes_per_elem=4)
         engines[name] = llm = LLM(model, tokenizer, block_size=block, max_model_len=max_len, max_num_seqs=B,
                                   kv_cache_memory_bytes=budget, max_num_batched_tokens=max(2048, max_len))
         for p in prompts:
@@ -100,7 +97,6 @@ def _prompts(ids: list[int], n: int, length: int) -> list[list[int]]:
 def run(quick: bool = False, *, model: str = "smollm2-135m", **overrides) -> dict:
     """The benchmark (keyword overrides: the keys of `FULL`, e.g. `batch=16`)."""
     from llmso_lab.models import load_model
-    from llmso_lab.models.shapes import ModelShape
     from llmso_lab.quality import eval_token_ids, perplexity
 
     unknown = set(overrides) - set(FULL)
@@ -132,7 +128,8 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", **overrides) -> dic
         table.append({
             "attention": kind, "kv_heads": m.config.num_key_value_heads, "made_by": made,
             "perplexity": round(raw[kind]["ppl"], 3), "kv_bytes_per_token": kv,
-            "kv_bytes_per_token_bf16": shape.kv_bytes_per_token(2), f"seqs_of_{cfg['context']}_in_1GiB": CACHE_BUDGET // per_seq,
+            "kv_bytes_per_token_bf16": shape.kv_bytes_per_token(2),
+            f"seqs_of_{cfg['context']}_in_1GiB": CACHE_BUDGET // per_seq,
             "decode_tok_s_batch1": round(b1[kind]["tok_s"], 2), big_key: round(big[kind]["tok_s"], 2),
             "batch_step_ms": round(big[kind]["step_ms"], 1), "batch_step_MB_read": round(read / 1e6, 1),
             "timed_steps": f"{b1[kind]['steps']} + {big[kind]['steps']}",
