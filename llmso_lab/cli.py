@@ -114,11 +114,11 @@ def _cmd_grade(args) -> int:
 
 def _cmd_bench(args) -> int:
     name = args.name
-    try:
-        mod = importlib.import_module(f"llmso_lab.bench.{name}")
+    try:   # a benchmark is the module llmso_lab/bench/NAME.py; the command line may write "_" as "-"
+        mod = importlib.import_module(f"llmso_lab.bench.{name.replace('-', '_')}")
     except ModuleNotFoundError:
         from importlib import resources
-        known = sorted(p.name[:-3] for p in resources.files("llmso_lab.bench").iterdir()
+        known = sorted(p.name[:-3].replace("_", "-") for p in resources.files("llmso_lab.bench").iterdir()
                        if p.name.endswith(".py") and not p.name.startswith("_"))
         print(f"error: unknown benchmark {name!r}; available: {', '.join(known)}", file=sys.stderr)
         return 2
@@ -132,6 +132,9 @@ def _cmd_bench(args) -> int:
     res.setdefault("command", " ".join(["llmso-lab", *sys.argv[1:]]))
     res.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))
     print_table(res.get("table", []))
+    for title, rows in res.get("tables", {}).items():   # further tables a benchmark shows
+        print(f"\n{title}:")
+        print_table(rows)
     if res.get("ratios"):
         print("ratios (measured in this run):")
         for k, v in res["ratios"].items():

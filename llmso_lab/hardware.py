@@ -17,7 +17,8 @@ __all__ = [
     "Accelerator", "ACCELERATORS", "get_accelerator", "set_lab_threads", "measure_cpu", "measure_matmul",
     "cpu_flags", "native_matmul", "auto_dtype", "bf16_matmul_speedup", "precision_speedup",
     "matmul_flops", "matmul_arithmetic_intensity", "ridge_point", "attainable_flops", "compute_bound_tokens",
-    "roofline_time", "kv_bytes_per_token", "decode_bytes_per_step", "decode_tokens_per_s_bound",
+    "roofline_time", "kv_bytes_per_token", "kv_cache_bytes", "mla_kv_bytes_per_token", "mla_kv_cache_bytes",
+    "decode_bytes_per_step", "decode_tokens_per_s_bound",
 ]
 
 
@@ -249,9 +250,36 @@ def precision_speedup(new_tokens: int, num_params: float, bytes_from: float, byt
     return before / after
 
 
+# ---- KV-cache sizing: the one home of the formula (ModelShape, the simulator and the engine call these) ----
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: float = 2) -> int:
     """KV-cache bytes one token adds: K and V, in every layer, for every KV head."""
     return int(2 * num_layers * num_kv_heads * head_dim * bytes_per_elem)
+
+
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: float, num_tokens: int,
+                   batch: int = 1) -> int:
+    """Bytes of the KV cache of `batch` sequences of `num_tokens` tokens each (the lecture's
+    2 x layers x kv_heads x head_dim x dtype_bytes x seq_len x batch): `kv_bytes_per_token` times the tokens.
+
+    80 layers x 8 KV heads x 128 x fp16 -> 327,680 bytes (320 KiB) per token; an 8K prompt -> 2.68 GB.
+    """
+    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes) * num_tokens * batch
+
+
+def mla_kv_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: float = 2) -> int:
+    """KV-cache bytes one token adds under multi-head latent attention (MLA, DeepSeek-V2/V3).
+
+    Per layer MLA caches one latent vector c_KV [kv_lora_rank], from which both K and V of every head are
+    rebuilt, plus one decoupled RoPE key [qk_rope_head_dim] shared by all heads: no factor 2 for K and V,
+    and no head count. DeepSeek-V3: 61 x (512 + 64) x 2 bytes = 70,272 bytes per token in bf16.
+    """
+    return int(num_layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes)
+
+
+def mla_kv_cache_bytes(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: float, num_tokens: int,
+                       batch: int = 1) -> int:
+    """Bytes of an MLA latent cache of `batch` sequences of `num_tokens` tokens each."""
+    return mla_kv_bytes_per_token(num_layers, kv_lora_rank, qk_rope_head_dim, dtype_bytes) * num_tokens * batch
 
 
 def decode_bytes_per_step(weight_bytes: float, context_lens: Sequence[int], kv_bytes_per_token: float) -> float:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmso_lab.engine.attention import AttentionMetadata, make_attention_backend
+from llmso_lab import hardware as hw
 from llmso_lab.engine.mla import MLAShape, MLAWeights, load_mla, mla_layer
 
 if TYPE_CHECKING:
@@ -296,8 +297,10 @@ def sliding_windows(cfg, max_model_len: int) -> list[int | None]:
 
 
 def kv_cache_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block (`block_size` tokens, every layer): `hardware.kv_cache_bytes`, or its MLA form
+    (one latent [c_kv, k_pe] per token and layer, no separate V)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    if cfg.model_type == "deepseek_v3":   # MLA: one latent [c_kv, k_pe] per token and layer, no separate V
-        return cfg.num_hidden_layers * block_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    if cfg.model_type == "deepseek_v3":
+        return hw.mla_kv_cache_bytes(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, elem, block_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * elem
+    return hw.kv_cache_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, elem, block_size)

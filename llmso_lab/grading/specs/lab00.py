@@ -5,7 +5,10 @@ from llmso_lab.grading.registry import Case, Exercise, register
 H100_BF16, H100_BW = 989e12, 3.35e12
 rel = close(atol=0.0, rtol=1e-9)  # closed-form arithmetic: only float rounding is allowed
 # The same KV-per-token formula lives in these places too; they are disabled with the exercise's reference.
-KV_BYTES_ELSEWHERE = ("llmso_lab.models.shapes:ModelShape.kv_bytes_per_token",
+KV_BYTES_ELSEWHERE = ("llmso_lab.hardware:kv_cache_bytes", "llmso_lab.hardware:mla_kv_bytes_per_token",
+                      "llmso_lab.hardware:mla_kv_cache_bytes",
+                      "llmso_lab.models.shapes:ModelShape.kv_bytes_per_token",
+                      "llmso_lab.models.shapes:ModelShape.kv_cache_bytes",
                       "llmso_lab.sim.cost:StepCost.kv_bytes_per_token",
                       "llmso_lab.engine.model_runner:kv_cache_bytes_per_block")
 
