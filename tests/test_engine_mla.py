@@ -111,3 +111,9 @@ def test_engine_triton_backend_serves_mla():
     for _ in range(2):
         outs = llm.generate(ps, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_bench_kv_store_reads_mla_bytes_from_the_engine_caches():
+    from llmso_lab.bench.kv_store import mla_bytes
+
+    assert [r["bytes_per_token_layer"] for r in mla_bytes()] == [(32 + 8) * 4, 2 * 4 * 16 * 4, 2 * 1 * 16 * 4]
