@@ -12,7 +12,7 @@ import torch
 from llmso_lab import hardware as hw
 from llmso_lab.engine.attention import ATTENTION_BACKENDS
 from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block
-from llmso_lab.kv.block_manager import cdiv
+from llmso_lab.kv.block_manager import PREFIX_CACHING_ALGOS, cdiv
 from llmso_lab.policies import POLICIES
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
@@ -31,6 +31,7 @@ class EngineConfig:
     batch_window_s: float = 0.05
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
+    prefix_caching_algo: str = "hash"         # "hash": chained block hashes (vLLM) | "radix": token radix tree (SGLang)
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     swap_space_blocks: int | None = None      # None: as many as num_kv_blocks (swap mode only)
@@ -47,7 +48,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Checks that need no model. Raises ValueError listing the valid choices."""
         for name, valid in (("batching", BATCHING_MODES), ("scheduling_policy", POLICIES),
-                            ("preemption_mode", PREEMPTION_MODES), ("attention_backend", ATTENTION_BACKENDS)):
+                            ("preemption_mode", PREEMPTION_MODES), ("attention_backend", ATTENTION_BACKENDS),
+                            ("prefix_caching_algo", PREFIX_CACHING_ALGOS)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
         if isinstance(self.dtype, torch.dtype):   # vLLM also takes a torch dtype

@@ -35,6 +35,12 @@ class LLM:
     kernel; `llmso-lab bench precision` measures all three). The default stays "float32" (vLLM's is "auto")
     because the labs compare the engine with Hugging Face fp32 token for token.
 
+    Sharing (lecture 1-2): `SamplingParams(n=N)` computes the prompt once and forks N samples that share its KV
+    blocks; `beam_search` forks and prunes beams the same way. A write into a shared block copies it first
+    (copy-on-write). `share_kv_blocks=False` copies every block at the fork instead (the baseline without
+    reference counts: same tokens, more memory). `prefix_caching_algo="radix"` caches prefixes in a radix tree
+    over tokens (SGLang) instead of a hash chain over full blocks (vLLM).
+
     Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
     `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
     can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
@@ -47,7 +53,8 @@ class LLM:
                  scheduling_policy: str = "fcfs", preemption_mode: str = "recompute",
                  swap_space_blocks: int | None = None, attention_backend: str = "torch", seed: int = 0,
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
-                 dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
+                 dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, prefix_caching_algo: str = "hash",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, batching=batching,
@@ -55,7 +62,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
             seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging,
-            dtype=dtype, share_kv_blocks=share_kv_blocks)
+            dtype=dtype, share_kv_blocks=share_kv_blocks, prefix_caching_algo=prefix_caching_algo)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
@@ -180,15 +187,14 @@ class LLM:
         logits = self.model_runner.execute(out)              # [rows, V]: sampling sequences (+ idle static rows)
         rows = [item for item in out.scheduled if item.sample or item.idle]
         sampling = [(r, item.seq) for r, item in enumerate(rows) if item.sample]
-        if len(sampling) < len(rows):
-            logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
-        for r, (_, seq) in enumerate(sampling):   # a beam's next-token log-probs wait for its group (see beam_search)
+        beams = [seq for r, seq in sampling if seq.beam is not None]
+        for r, seq in sampling:   # a beam's next-token log-probs wait for the rest of its group (`_beam_step`)
             if seq.beam is not None:
                 seq.beam.pending[seq.seq_id] = logits[r].float().cpu().log_softmax(-1)
-        rows_seqs = [(r, seq) for r, (_, seq) in enumerate(sampling) if seq.beam is None]
-        seqs = [seq for _, seq in rows_seqs]
-        if len(seqs) < len(sampling):
-            logits = logits[[r for r, _ in rows_seqs]]
+        sampling = [(r, seq) for r, seq in sampling if seq.beam is None]
+        if len(sampling) < len(rows):
+            logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
+        seqs = [seq for _, seq in sampling]
         tokens = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs]) if seqs else []
         now = self.clock()
         self.scheduler.update(out, {s.seq_id: t for s, t in zip(seqs, tokens)}, now)
@@ -200,7 +206,7 @@ class LLM:
                 self.scheduler.append_token(child, sample_token(logits[r].cpu(), seq.sampling_params, child.generator), now)
                 self.num_generated_tokens += 1
             seq.num_pending_forks = 0
-        for group in {seq.beam.request_id: seq.beam for _, seq in sampling if seq.beam is not None}.values():
+        for group in {seq.beam.request_id: seq.beam for seq in beams}.values():
             if group.ready():
                 self._beam_step(group, now)
 

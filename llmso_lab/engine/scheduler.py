@@ -72,7 +72,7 @@ class Scheduler:
         assert config.num_kv_blocks is not None and config.max_model_len is not None, "call config.resolve first"
         self.config, self.eos_token_ids, self.clock = config, eos_token_ids, clock
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          config.swap_space_blocks)
+                                          config.swap_space_blocks, config.prefix_caching_algo)
         self.policy = SchedulingPolicy(config.scheduling_policy, config.sjf_predictor, config.sjf_aging)
         # Queue order carries no meaning: every read orders the queue by the policy (`policy.order`).
         self.waiting: list[Sequence] = []   # new, or preempted by recompute
@@ -153,12 +153,12 @@ class Scheduler:
             for seq in self.policy.order((s for s in self.waiting if s.arrival_time <= now), now):
                 if len(self.running) >= max_num_seqs:
                     break
-                computed = bm.get_computed_blocks(seq)   # prefix-cache hits
-                n = self._chunk(seq.num_tokens - len(computed) * bm.block_size, budget)
-                if n == 0 or not bm.can_allocate(seq, n, computed):
+                cached = bm.match_prefix(seq)   # prefix-cache hits
+                n = self._chunk(seq.num_tokens - cached.num_tokens, budget)
+                if n == 0 or not bm.can_allocate(seq, n, cached):
                     break
                 self.waiting.remove(seq)
-                bm.allocate(seq, n, computed)
+                out.blocks_to_copy += bm.allocate(seq, n, cached)
                 self._start_running(seq, n, sched)
                 budget -= n
         out.scheduled = sorted(sched.values(), key=lambda item: item.num_query_tokens > 1)   # decodes first
@@ -203,9 +203,9 @@ class Scheduler:
             rows, reserve = static_batch([(s.num_prompt_tokens, s.sampling_params.max_tokens) for s in arrived],
                                          cfg.max_num_seqs, bm.num_free_blocks, bm.block_size, cfg.max_model_len)
             for seq in arrived[:rows]:   # each row's KV for the whole rectangle, reserved now (less its cached prefix)
-                computed = bm.get_computed_blocks(seq)
+                cached = bm.match_prefix(seq)
                 self.waiting.remove(seq)
-                bm.allocate(seq, reserve - len(computed) * bm.block_size, computed)
+                out.blocks_to_copy += bm.allocate(seq, reserve - cached.num_tokens, cached)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
         if any(s.is_prefill for s in self.running):   # first step of the batch: padded prefill

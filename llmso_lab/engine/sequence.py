@@ -49,6 +49,7 @@ class Sequence:
     block_table: list[int | None] = field(default_factory=list)   # KV block ids (None: in the CPU pool, swap_table)
     swap_table: dict[int, int] = field(default_factory=dict)      # while SWAPPED: block index -> CPU swap block
     prefix_ids: list[int | None] = field(default_factory=list)   # prefix cache: id of the prefix each full block ends
+    num_inserted_tokens: int = 0       # radix prefix cache: leading tokens this sequence has put in the tree
     finish_reason: str | None = None   # "stop" | "length"
     num_preemptions: int = 0
     predicted_len: float = 0.0         # SJF: predicted output tokens still to generate (set by the policy)

@@ -21,13 +21,22 @@ computed after another prefix (vLLM's CVE-2025-25183); by induction over the blo
 A freed block keeps its key and stays in the free list, still reusable on a hit, until an allocation takes it
 (LRU eviction: the free list is ordered least recently freed first, and blocks without a key are put at its
 front so they go first).
+
+`prefix_caching_algo="radix"` caches prefixes in a radix tree over tokens instead (`llmso_lab.kv.radix`, SGLang's
+RadixAttention): a match may end inside a block; that block's cached tokens are then copied into a fresh block
+(copy-on-write at token granularity) instead of recomputed. Sequences insert their computed tokens when a block
+fills and when they are freed (the partly filled last block too). Eviction is the same LRU over free blocks;
+a sequence frees its last blocks first, so the tree loses its leaves first, and reusing a block cuts the tree
+there (the tokens after it on that path are useless without it).
 """
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence as Seq
+
+from llmso_lab.kv.radix import RadixTree
 
 if TYPE_CHECKING:
     from llmso_lab.engine.sequence import Sequence
@@ -81,12 +90,25 @@ class Block:
     prefix_id: int | None = None       # the name of the prefix it ends (its children's parent_id); never reused
 
 
+@dataclass(slots=True)
+class PrefixMatch:
+    """What the prefix cache holds of a sequence's start: full blocks to share, and (radix) a block holding the
+    `num_tokens % block_size` cached tokens after them, to copy."""
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    partial_block: int | None = None
+
+
+PREFIX_CACHING_ALGOS = ("hash", "radix")
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_swap_blocks: int = 0) -> None:
-        assert num_blocks > 0 and block_size > 0
+                 num_swap_blocks: int = 0, prefix_caching_algo: str = "hash") -> None:
+        assert num_blocks > 0 and block_size > 0 and prefix_caching_algo in PREFIX_CACHING_ALGOS
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.radix = RadixTree(block_size) if enable_prefix_caching and prefix_caching_algo == "radix" else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = reuse first
         self.hash_to_block_id: dict[int, int] = {}
@@ -114,7 +136,10 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_block_ids if self.blocks[b].hash is not None)
+        return sum(1 for b in self.free_block_ids if self._is_cached(b))
+
+    def _is_cached(self, block_id: int) -> bool:
+        return self.blocks[block_id].hash is not None or (self.radix is not None and block_id in self.radix.holders)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -128,6 +153,11 @@ class BlockManager:
         if block.hash is not None:   # evict the prefix it cached; its prefix id is never given out again
             del self.hash_to_block_id[block.hash]
             block.hash, block.parent_id, block.token_ids, block.prefix_id = None, ROOT, (), None
+            self.num_evictions += 1
+        elif self.radix is not None and block_id in self.radix.holders:   # cut the tree where this block was
+            for other in self.radix.evict_block(block_id) - {block_id}:
+                if self.blocks[other].ref_count == 0:     # still free, but caches nothing now: reuse it first
+                    self.free_block_ids.move_to_end(other, last=False)
             self.num_evictions += 1
         block.ref_count = 1
         return block_id
@@ -144,7 +174,7 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_block_ids[block_id] = None                      # most recently used end
-            if block.hash is None:                                    # caches nothing: reuse it first
+            if not self._is_cached(block_id):                         # caches nothing: reuse it first
                 self.free_block_ids.move_to_end(block_id, last=False)
 
     def _lookup(self, parent_id: int, token_ids: tuple[int, ...]) -> int | None:
@@ -205,25 +235,49 @@ class BlockManager:
             parent = self.blocks[block_id].prefix_id
         return hits
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> bool:
-        """Can `seq` (no blocks yet) get the cached `computed_blocks` plus blocks for `num_new_tokens` more?"""
-        needed = cdiv(len(computed_blocks) * self.block_size + num_new_tokens, self.block_size) - len(computed_blocks)
-        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)  # they leave the free list
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """The cached start of `seq` (a lookup; changes nothing): at most `num_tokens - 1` tokens, as above."""
+        if self.radix is None:
+            hits = self.get_computed_blocks(seq)
+            return PrefixMatch(hits, len(hits) * self.block_size)
+        m = self.radix.match(seq.token_ids[:seq.num_tokens - 1])
+        blocks, full = self.radix.blocks_of(m), m.num_tokens // self.block_size
+        return PrefixMatch(blocks[:full], m.num_tokens, blocks[full] if m.num_tokens % self.block_size else None)
+
+    def _as_match(self, computed: PrefixMatch | Seq[int]) -> PrefixMatch:
+        return computed if isinstance(computed, PrefixMatch) else PrefixMatch(list(computed), len(computed) * self.block_size)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: PrefixMatch | Seq[int] = ()) -> bool:
+        """Can `seq` (no blocks yet) get the cached prefix `computed` (a `PrefixMatch`, or cached block ids)
+        plus blocks for `num_new_tokens` more?"""
+        m = self._as_match(computed)
+        needed = cdiv(m.num_tokens + num_new_tokens, self.block_size) - len(m.blocks)
+        held = m.blocks + ([m.partial_block] if m.partial_block is not None else [])
+        revived = sum(1 for b in set(held) if self.blocks[b].ref_count == 0)  # they leave the free list (a while)
         return needed + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: Seq[int] = ()) -> None:
-        """Give a waiting sequence its cached prefix blocks and fresh blocks for `num_new_tokens` tokens."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, computed: PrefixMatch | Seq[int] = ()) -> list[tuple[int, int]]:
+        """Give a waiting sequence its cached prefix and fresh blocks for `num_new_tokens` tokens. Returns the
+        (source, destination) block copies to do before the forward: a radix match's partly cached block."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
-        assert self.can_allocate(seq, num_new_tokens, computed_blocks)
-        for block_id in computed_blocks:
+        m = self._as_match(computed)
+        assert self.can_allocate(seq, num_new_tokens, m)
+        for block_id in m.blocks:
             self._share(block_id)
             seq.block_table.append(block_id)
-            seq.prefix_ids.append(self.blocks[block_id].prefix_id)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks) * self.block_size
+            if self.radix is None:
+                seq.prefix_ids.append(self.blocks[block_id].prefix_id)
+        copies = []
+        if m.partial_block is not None:   # its first num_tokens % block_size tokens are ours: copy, then append
+            self._share(m.partial_block)   # held while a fresh block is taken, so that cannot evict it
+            seq.block_table.append(self._take_free_block())
+            self._release(m.partial_block)
+            copies.append((m.partial_block, seq.block_table[-1]))
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_inserted_tokens = m.num_tokens
         if self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += seq.num_cached_tokens
-        self.append_slot(seq, num_new_tokens)
+        return copies + self.append_slot(seq, num_new_tokens)
 
     # ---- growth ------------------------------------------------------------------------------
     def may_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
@@ -270,14 +324,25 @@ class BlockManager:
         """Cache each block of `seq` that is now full and computed, so later sequences can share it."""
         if not self.enable_prefix_caching:
             return
+        if self.radix is not None:
+            self._radix_insert(seq, seq.num_computed_tokens // self.block_size * self.block_size)
+            return
         for i in range(len(seq.prefix_ids), seq.num_computed_tokens // self.block_size):
             parent = seq.prefix_ids[i - 1] if i else ROOT
             seq.prefix_ids.append(None if parent is None else
                                   self._cache_block(seq.block_table[i], parent, self._block_tokens(seq, i)))
 
+    def _radix_insert(self, seq: Sequence, num_tokens: int) -> None:
+        """Put `seq`'s first `num_tokens` (computed) tokens and their blocks in the radix tree."""
+        if num_tokens > seq.num_inserted_tokens:
+            self.radix.insert(seq.token_ids[:num_tokens], seq.block_table)
+            seq.num_inserted_tokens = num_tokens
+
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks. Last blocks first, so the prefix blocks stay cached longest."""
         assert not seq.swap_table, "swap the sequence in first"
+        if self.radix is not None:
+            self._radix_insert(seq, seq.num_computed_tokens)   # the partly filled last block too
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table.clear()
@@ -323,7 +388,9 @@ class BlockManager:
         found = [self._cached_copy(seq, i) for i in seq.swap_table]
         needed = sum(1 for b in found if b is None or self.blocks[b].ref_count == 0)
         extra = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
-        return needed + extra <= self.num_free_blocks
+        first, end = seq.num_computed_tokens // self.block_size, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        cow = sum(1 for b in seq.block_table[first:end] if b is not None and self.blocks[b].ref_count > 1)   # kept, shared
+        return needed + extra + cow <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring `seq` back. A swapped block still in the prefix cache is shared again (no copy); the others get
@@ -362,6 +429,10 @@ class BlockManager:
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} holders"
             assert (block.ref_count == 0) == (block.block_id in free), f"block {block.block_id} free-list mismatch"
+        if self.radix is not None:
+            for node in self.radix.nodes():
+                assert all(node in self.radix.holders[b] for b in node.blocks), "radix holders out of date"
+                assert len(node.blocks) == cdiv(node.end, self.block_size) - node.start // self.block_size
         for h, block_id in self.hash_to_block_id.items():
             block = self.blocks[block_id]
             assert block.hash == h == hash_block(block.parent_id, block.token_ids) and block.prefix_id is not None
