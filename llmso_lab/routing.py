@@ -22,12 +22,12 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["ROUTERS", "prefix_key", "stable_hash", "Router", "RoundRobin", "LeastLoaded", "PrefixAware",
-           "PrefixAwareBounded", "make_router"]
+__all__ = ["ROUTERS", "prefix_key", "stable_hash", "bounded_load_pick", "Router", "RoundRobin", "LeastLoaded",
+           "PrefixAware", "PrefixAwareBounded", "make_router"]
 
 ROUTERS = ("round_robin", "least_loaded", "prefix_aware", "prefix_aware_bounded")
 
@@ -136,8 +136,14 @@ class PrefixAwareBounded(PrefixAware):
         return math.ceil(self.c * (sum(loads) + 1) / self.num_replicas)
 
     def _pick(self, key: int, loads: Sequence[int]) -> int:
-        cap = self.capacity(loads)
-        return next(r for r in self.candidates(key) if loads[r] + 1 <= cap)
+        return bounded_load_pick(self.candidates(key), loads, self.c)
+
+
+def bounded_load_pick(candidates: Iterable[int], loads: Sequence[int], c: float) -> int:
+    """Consistent hashing with bounded loads, one decision: the first of `candidates` (replicas in the key's ring
+    order, its home first) whose load stays <= ceil(c * (sum(loads) + 1) / len(loads)) once it takes this request."""
+    cap = math.ceil(c * (sum(loads) + 1) / len(loads))
+    return next(r for r in candidates if loads[r] + 1 <= cap)
 
 
 def make_router(name: str, num_replicas: int, **kwargs) -> Router:

@@ -55,6 +55,31 @@ def hash_block(parent_id: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_id, token_ids))
 
 
+def block_hash_chain(token_ids: Seq[int], block_size: int) -> list[int]:
+    """Prefix-cache keys of the FULL blocks of `token_ids` (vLLM's hash chain): key i = hash((key i-1, tokens of
+    block i)), key -1 = ROOT. A key names the block's tokens AND everything before them, as its K/V depends on all
+    of them (causal attention). A partial last block has no key. (`BlockManager` chains prefix ids, not hashes,
+    so that a hash collision can never return a wrong block; the idea is the same.)"""
+    keys, parent = [], ROOT
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, tuple(token_ids[start:start + block_size]))
+        keys.append(parent)
+    return keys
+
+
+def cached_prefix_tokens(token_ids: Seq[int], cached_keys: Iterable[int], block_size: int) -> int:
+    """Tokens of `token_ids` a prefix cache holding `cached_keys` (`block_hash_chain` keys) can serve: whole leading
+    blocks while their keys are cached. At most (len - 1) // block_size blocks, as in `get_computed_blocks`: the last
+    token is always computed, for the logits that sample the next one."""
+    cached = cached_keys if isinstance(cached_keys, (set, frozenset, dict)) else set(cached_keys)
+    hits = 0
+    for key in block_hash_chain(token_ids, block_size)[:(len(token_ids) - 1) // block_size]:
+        if key not in cached:
+            break
+        hits += 1
+    return hits * block_size
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
