@@ -18,7 +18,7 @@ __all__ = [
     "cpu_flags", "native_matmul", "auto_dtype", "bf16_matmul_speedup", "precision_speedup",
     "matmul_flops", "matmul_arithmetic_intensity", "ridge_point", "attainable_flops", "compute_bound_tokens",
     "roofline_time", "kv_bytes_per_token", "kv_cache_bytes", "mla_kv_bytes_per_token", "mla_kv_cache_bytes",
-    "decode_bytes_per_step", "decode_tokens_per_s_bound",
+    "kv_cache_bytes_of_config", "decode_bytes_per_step", "decode_tokens_per_s_bound",
 ]
 
 
@@ -280,6 +280,22 @@ def mla_kv_cache_bytes(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int
                        batch: int = 1) -> int:
     """Bytes of an MLA latent cache of `batch` sequences of `num_tokens` tokens each."""
     return mla_kv_bytes_per_token(num_layers, kv_lora_rank, qk_rope_head_dim, dtype_bytes) * num_tokens * batch
+
+
+def kv_cache_bytes_of_config(config, num_tokens: int, batch: int = 1, dtype_bytes: float = 2) -> int:
+    """KV-cache bytes of `batch` sequences of `num_tokens` tokens for a model given by its Hugging Face config
+    (a dict, e.g. `model.config.to_dict()`): `num_hidden_layers`, `num_attention_heads`, `hidden_size`,
+    `num_key_value_heads` (absent: MHA) and `head_dim` (absent or None: hidden_size // num_attention_heads).
+    A config with a `kv_lora_rank` (DeepSeek-V2/V3) caches MLA's latent c_KV and RoPE key instead: no factor 2
+    and no head count (`mla_kv_cache_bytes`), whatever its `num_key_value_heads` says.
+    """
+    layers = config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):
+        return mla_kv_cache_bytes(layers, config["kv_lora_rank"], config["qk_rope_head_dim"], dtype_bytes, num_tokens, batch)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return kv_cache_bytes(layers, kv_heads, head_dim, dtype_bytes, num_tokens, batch)
 
 
 def decode_bytes_per_step(weight_bytes: float, context_lens: Sequence[int], kv_bytes_per_token: float) -> float:

@@ -152,3 +152,14 @@ def test_smollm2_mha_gqa_mqa():
     out = LLM(mqa, tok, max_model_len=256).generate([{"prompt_token_ids": prompt}],
                                                      SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(mqa, prompt, 16)
+
+
+def test_mean_pool_kv_heads_pools_consecutive_heads():
+    from llmso_lab.models.kv_heads import mean_pool_kv_heads
+    w = torch.arange(4 * 2 * 3, dtype=torch.float32).reshape(4 * 2, 3)   # 4 heads of D=2 rows
+    out = mean_pool_kv_heads(w, 4, 2)
+    assert torch.equal(out, torch.stack([(w[0:2] + w[2:4]) / 2, (w[4:6] + w[6:8]) / 2]).reshape(4, 3))
+    assert torch.equal(mean_pool_kv_heads(w[:, 0], 4, 1), w[:, 0].reshape(4, 2).mean(0))   # a bias, MQA
+    assert mean_pool_kv_heads(w.bfloat16(), 4, 2).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="must divide"):
+        mean_pool_kv_heads(w, 4, 3)

@@ -230,3 +230,16 @@ def test_lab00_exercise_disables_every_home_of_the_formula():
             with pytest.raises(RuntimeError, match="TRIPWIRE"):
                 route()
     assert [route() for route in routes[:5]] == [327_680] * 5
+
+
+def test_kv_cache_bytes_of_a_hf_config_dict():
+    llama70 = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192}
+    assert hw.kv_cache_bytes_of_config(llama70, 1) == 327_680
+    assert hw.kv_cache_bytes_of_config({**llama70, "head_dim": 128}, 8192, batch=4) == 4 * 8192 * 327_680
+    assert hw.kv_cache_bytes_of_config({**llama70, "num_key_value_heads": None}, 1) == 8 * 327_680   # MHA
+    v3 = {"num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168,
+          "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    assert hw.kv_cache_bytes_of_config(v3, 1) == 70_272 == DEEPSEEK_V3.kv_bytes_per_token(2)
+    from llmso_lab.models import load_model
+    smol = load_model("smollm2-135m")[0].config.to_dict()
+    assert hw.kv_cache_bytes_of_config(smol, 100, dtype_bytes=4) == SMOLLM2_135M.kv_cache_bytes(100, 1, 4)

@@ -26,3 +26,11 @@ def test_kv_replication_needs_a_multiple_of_the_kv_heads():
         shard_heads(24, 6, 4)
     with pytest.raises(ValueError, match="ints >= 1"):
         shard_heads(8, 8, 0)
+
+
+def test_kv_bytes_per_rank_stops_shrinking_once_kv_heads_are_replicated():
+    from llmso_lab.parallel import kv_bytes_per_rank
+    assert [kv_bytes_per_rank(80, 64, 8, 128, tp) for tp in (1, 2, 4, 8, 16)] == [327_680, 163_840, 81_920, 40_960, 40_960]
+    assert kv_bytes_per_rank(30, 9, 3, 64, 9, dtype_bytes=4) == kv_bytes_per_rank(30, 9, 3, 64, 3, dtype_bytes=4) == 15_360
+    with pytest.raises(ValueError, match="valid sizes"):
+        kv_bytes_per_rank(30, 9, 3, 64, 2)

@@ -20,13 +20,24 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["kv_head_counts", "to_gqa", "to_mqa", "to_mha"]
+__all__ = ["kv_head_counts", "mean_pool_kv_heads", "to_gqa", "to_mqa", "to_mha"]
 
 
 def kv_head_counts(model) -> tuple[int, int]:
     """(query heads H, KV heads Hkv) of a Hugging Face causal LM."""
     cfg = model.config
     return cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+
+
+def mean_pool_kv_heads(t: torch.Tensor, num_kv_heads: int, new_num_kv_heads: int) -> torch.Tensor:
+    """A k_proj/v_proj weight [num_kv_heads * D, hidden] (or bias [num_kv_heads * D]) with `new_num_kv_heads` heads:
+    new head j is the mean of the g = num_kv_heads / new_num_kv_heads CONSECUTIVE old heads j*g .. j*g + g - 1
+    (the query heads that read them are consecutive too), computed in fp32, returned in t's dtype."""
+    if new_num_kv_heads < 1 or num_kv_heads % new_num_kv_heads:
+        raise ValueError(f"new_num_kv_heads={new_num_kv_heads} must divide num_kv_heads={num_kv_heads}")
+    per_head = t.unflatten(0, (num_kv_heads, t.shape[0] // num_kv_heads))                   # [old, D, ...]
+    pooled = per_head.float().unflatten(0, (new_num_kv_heads, num_kv_heads // new_num_kv_heads)).mean(1)
+    return pooled.flatten(0, 1).to(t.dtype).contiguous()                                  # [new * D, ...]
 
 
 def to_gqa(model, num_kv_heads: int):
@@ -87,12 +98,10 @@ def _regroup_heads(proj: nn.Linear, old: int, new: int, head_dim: int) -> None:
     new > old: old head j is repeated for new heads j*r .. j*r + r - 1 (r = new / old).
     """
     def regroup(t: torch.Tensor) -> torch.Tensor:
-        per_head = t.unflatten(0, (old, head_dim))                                    # [old, D, ...]
         if new <= old:
-            out = per_head.float().unflatten(0, (new, old // new)).mean(1).to(t.dtype)  # [new, D, ...]
-        else:
-            out = per_head.repeat_interleave(new // old, dim=0)                       # [new, D, ...]
-        return out.flatten(0, 1).contiguous()
+            return mean_pool_kv_heads(t, old, new)
+        per_head = t.unflatten(0, (old, head_dim))                                    # [old, D, ...]
+        return per_head.repeat_interleave(new // old, dim=0).flatten(0, 1).contiguous()  # [new * D, ...]
 
     proj.weight = nn.Parameter(regroup(proj.weight), requires_grad=proj.weight.requires_grad)
     if proj.bias is not None:
