@@ -11,8 +11,8 @@ import triton.language as tl
 
 from .backend import check_kernel_inputs
 
-__all__ = ["online_softmax_tile", "finalize_tile", "merge_splits", "dot_precision", "block_size_for",
-           "LOG2E"]
+__all__ = ["online_softmax_tile", "finalize_tile", "merge_splits", "combine_splits", "dot_precision",
+           "block_size_for", "LOG2E"]
 
 LOG2E = 1.4426950408889634  # log2(e)
 
@@ -85,3 +85,14 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out_dtype: torch.
     _merge_splits_kernel[(R,)](o_part, lse_part, o, lse, S, D,
                                BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D))
     return o, lse
+
+
+def combine_splits(o_part: torch.Tensor, lse_part: torch.Tensor, B: int, H: int, num_splits: int,
+                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernels' per-split results, o_part [B*H*S, D] fp32 and lse_part [B*H*S], as (o [B, H, D],
+    lse [B, H]). With one split there is nothing to merge: the single chunk is the whole answer."""
+    D = o_part.shape[-1]
+    if num_splits == 1:
+        return o_part.view(B, H, D).to(out_dtype), lse_part.view(B, H)
+    o, lse = merge_splits(o_part.view(B * H, num_splits, D), lse_part.view(B * H, num_splits), out_dtype)
+    return o.view(B, H, D), lse.view(B, H)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .backend import check_kernel_inputs
-from .triton_common import LOG2E, block_size_for, dot_precision, finalize_tile, merge_splits, online_softmax_tile
+from .triton_common import LOG2E, block_size_for, combine_splits, dot_precision, finalize_tile, online_softmax_tile
 
 __all__ = ["flash_decoding", "default_num_splits"]
 
@@ -110,7 +110,4 @@ def flash_decoding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_splits
         PRECISION=dot_precision(q.dtype), BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
-    if num_splits == 1:  # nothing to merge: the single chunk is the whole answer
-        return o_part.view(B, H, D).to(q.dtype), lse_part.view(B, H)
-    o, lse = merge_splits(o_part.view(B * H, num_splits, D), lse_part.view(B * H, num_splits), q.dtype)
-    return o.view(B, H, D), lse.view(B, H)
+    return combine_splits(o_part, lse_part, B, H, num_splits, q.dtype)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .backend import check_kernel_inputs
-from .triton_common import LOG2E, block_size_for, dot_precision, finalize_tile, merge_splits, online_softmax_tile
+from .triton_common import LOG2E, block_size_for, combine_splits, dot_precision, finalize_tile, online_softmax_tile
 from .triton_decode import default_num_splits
 
 __all__ = ["mla_paged_decode_attention"]
@@ -96,8 +96,5 @@ def mla_paged_decode_attention(q: torch.Tensor, latent_cache: torch.Tensor, bloc
         PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
         BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
-    if num_splits == 1:
-        return o_part.view(B, H, latent_dim).to(q.dtype)
-    o, _ = merge_splits(o_part.view(B * H, num_splits, latent_dim), lse_part.view(B * H, num_splits), q.dtype)
-    return o.view(B, H, latent_dim)
+    return combine_splits(o_part, lse_part, B, H, num_splits, q.dtype)[0]
 

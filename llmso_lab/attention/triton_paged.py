@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .backend import check_kernel_inputs
-from .triton_common import LOG2E, block_size_for, dot_precision, finalize_tile, merge_splits, online_softmax_tile
+from .triton_common import LOG2E, block_size_for, combine_splits, dot_precision, finalize_tile, online_softmax_tile
 from .triton_decode import default_num_splits
 
 __all__ = ["paged_decode_attention"]
@@ -109,7 +109,4 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
-    if num_splits == 1:
-        return o_part.view(B, H, D).to(q.dtype)
-    o, _ = merge_splits(o_part.view(B * H, num_splits, D), lse_part.view(B * H, num_splits), q.dtype)
-    return o.view(B, H, D)
+    return combine_splits(o_part, lse_part, B, H, num_splits, q.dtype)[0]
