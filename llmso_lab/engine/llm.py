@@ -260,22 +260,20 @@ class LLM:
         """Every live beam of `group` has its next-token log-probs: choose the next beams, then fork the beams
         chosen more than once (blocks shared), extend the others and prune the beams nobody chose."""
         chosen = group.step()
-        by_parent: dict[int, list] = {}
-        for cand in chosen:
-            by_parent.setdefault(cand.parent, []).append(cand)
-        beams, scores = [None] * len(chosen), [0.0] * len(chosen)
-        position = {id(c): i for i, c in enumerate(chosen)}
+        kept = {cand.parent for cand in chosen}
         for p, parent in enumerate(group.beams):
-            kids = by_parent.get(p, [])
-            if not kids:
+            if p not in kept:
                 self.scheduler.abort(parent)   # pruned: its blocks go back (those it shared stay with the others)
-                continue
-            for cand in kids[1:]:              # forked before the parent grows, so the child starts from its tokens
-                child = self._fork(parent, len(self.samples[group.request_id]), parent.seed)
-                child.append_token(cand.token, now)
-                beams[position[id(cand)]], scores[position[id(cand)]] = child, cand.cum_logprob
-            parent.append_token(kids[0].token, now)
-            beams[position[id(kids[0])]], scores[position[id(kids[0])]] = parent, kids[0].cum_logprob
+        # A parent chosen k times is forked k - 1 times before any beam grows, so each child starts from its tokens.
+        beams, seen = [], set()
+        for cand in chosen:
+            parent = group.beams[cand.parent]
+            beams.append(parent if cand.parent not in seen else
+                         self._fork(parent, len(self.samples[group.request_id]), parent.seed))
+            seen.add(cand.parent)
+        for beam, cand in zip(beams, chosen):
+            beam.append_token(cand.token, now)
+        scores = [cand.cum_logprob for cand in chosen]
         group.beams, group.scores = beams, scores
         self.num_generated_tokens += len(chosen)
         if group.done:
