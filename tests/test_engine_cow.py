@@ -30,12 +30,17 @@ def engine(model, **kw) -> LLM:
 
 
 # ---- block manager: fork and copy-on-write -------------------------------------------------------------
-def test_fork_shares_blocks_and_a_write_copies_the_shared_block():
+def computed_parent_and_empty_child():
+    """10 blocks of 4; a parent with 6 computed tokens (2 blocks, the 2nd half full) and a child holding nothing."""
     bm = BlockManager(10, 4)
     parent = Sequence(0, "0", list(range(6)), SamplingParams(), 0.0)
     bm.allocate(parent, 6)
     parent.num_computed_tokens = 6
-    child = Sequence(1, "0", list(range(6)), SamplingParams(), 0.0)
+    return bm, parent, Sequence(1, "0", list(range(6)), SamplingParams(), 0.0)
+
+
+def test_fork_shares_blocks_and_a_write_copies_the_shared_block():
+    bm, parent, child = computed_parent_and_empty_child()
     assert bm.fork(parent, child) == []
     assert child.block_table == parent.block_table and bm.num_free_blocks == 8
     assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2]
@@ -50,11 +55,7 @@ def test_fork_shares_blocks_and_a_write_copies_the_shared_block():
 
 
 def test_fork_without_sharing_copies_every_block_now():
-    bm = BlockManager(10, 4)
-    parent = Sequence(0, "0", list(range(6)), SamplingParams(), 0.0)
-    bm.allocate(parent, 6)
-    parent.num_computed_tokens = 6
-    child = Sequence(1, "0", list(range(6)), SamplingParams(), 0.0)
+    bm, parent, child = computed_parent_and_empty_child()
     copies = bm.fork(parent, child, share=False)
     assert [src for src, _ in copies] == parent.block_table and not set(child.block_table) & set(parent.block_table)
     assert bm.num_free_blocks == 6 and bm.append_slot(child, 1) == []
