@@ -1,0 +1,160 @@
+"""Round-to-nearest (RTN) weight quantization: scales per tensor, per output channel or per group, symmetric or
+asymmetric, 2..8 bits, stored really packed (two int4 codes per byte).
+
+A weight matrix W [out, in] is cut along `in` into groups of `group_size` numbers (per channel: one group per
+row; per tensor: one group for everything). Each group gets its own grid of 2^bits levels:
+
+- symmetric:  w ~ scale * q,            q in [-2^(b-1), 2^(b-1) - 1],  scale = max|w| / (2^(b-1) - 1)
+- asymmetric: w ~ scale * q + minimum,  q in [0, 2^b - 1],             scale = (max w - min w) / (2^b - 1)
+
+The asymmetric form with a float minimum is GGUF's Q4_1 block (and the "float zero" that tinygemm's int4
+kernel takes); the symmetric one is what int8 weight-only kernels use. Codes are packed into a little-endian
+bit stream: code i occupies bits [i*b, (i+1)*b), so for 4 bits byte j = q[2j] | q[2j+1] << 4.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["QuantizedTensor", "quantize", "dequantize", "fake_quantize", "pack_bits", "unpack_bits", "QuantLinear",
+           "quantize_linears"]
+
+
+@dataclass(slots=True)
+class QuantizedTensor:
+    """A weight [out, in] as packed codes plus per-group scales (and minimums when asymmetric)."""
+    packed: Tensor           # uint8 [out, in * bits / 8]: unsigned codes (symmetric ones offset by 2^(b-1))
+    scale: Tensor            # fp32 [out, in / group_size] (per tensor: [1, 1])
+    minimum: Tensor | None   # fp32, same shape as scale; None = symmetric
+    bits: int
+    group_size: int          # numbers per group along `in` (per channel: in; per tensor: out * in)
+    shape: tuple[int, int]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.minimum is None
+
+    def codes(self) -> Tensor:
+        """Signed (symmetric) or unsigned (asymmetric) integer codes, int16 [out, in]."""
+        q = unpack_bits(self.packed, self.bits, self.shape[1]).to(torch.int16)
+        return q - (1 << (self.bits - 1)) if self.symmetric else q
+
+    def dequantize(self) -> Tensor:
+        return dequantize(self)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: packed codes + scales (+ minimums), as fp16 the way GGUF and GPU kernels keep them."""
+        return self.packed.numel() + 2 * self.scale.numel() * (1 if self.symmetric else 2)
+
+
+def _groups(w: Tensor, group_size: int | None, per_tensor: bool) -> tuple[Tensor, int]:
+    """View W [out, in] as [out, n_groups, g] (per tensor: [1, 1, out * in])."""
+    out_f, in_f = w.shape
+    if per_tensor:
+        return w.reshape(1, 1, -1), out_f * in_f
+    g = in_f if group_size is None else group_size
+    if g <= 0 or in_f % g:
+        raise ValueError(f"group_size={group_size} does not divide the {in_f} input features; pick a divisor "
+                         f"(e.g. 32 or 64 for SmolLM2, whose 576 and 1536 are not multiples of 128) or None for per channel")
+    return w.reshape(out_f, in_f // g, g), g
+
+
+def quantize(w: Tensor, bits: int = 4, *, group_size: int | None = None, per_tensor: bool = False,
+             symmetric: bool = True) -> QuantizedTensor:
+    """RTN-quantize a weight [out, in]. `group_size=None`: one scale per output channel (row);
+    `per_tensor=True`: one scale for the whole matrix."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be in 2..8, got {bits}")
+    x, g = _groups(w.detach().float(), group_size, per_tensor)
+    if symmetric:
+        qmax = (1 << (bits - 1)) - 1
+        scale = (x.abs().amax(-1) / qmax).clamp_min(1e-12)                         # [out, G]
+        q = torch.clamp(torch.round(x / scale[..., None]), -qmax - 1, qmax) + (qmax + 1)
+        minimum = None
+    else:
+        lo, hi = x.amin(-1), x.amax(-1)
+        scale = ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-12)
+        q = torch.clamp(torch.round((x - lo[..., None]) / scale[..., None]), 0, (1 << bits) - 1)
+        minimum = lo
+    codes = q.to(torch.uint8).reshape(w.shape)
+    return QuantizedTensor(pack_bits(codes, bits), scale, minimum, bits, g, tuple(w.shape))
+
+
+def dequantize(qt: QuantizedTensor) -> Tensor:
+    """fp32 [out, in]: scale * q (+ minimum), group by group."""
+    out_f, in_f = qt.shape
+    q = qt.codes().float()
+    q = q.reshape(1, 1, -1) if qt.scale.numel() == 1 and qt.group_size == out_f * in_f else q.reshape(out_f, -1, qt.group_size)
+    w = q * qt.scale[..., None]
+    if qt.minimum is not None:
+        w = w + qt.minimum[..., None]
+    return w.reshape(out_f, in_f)
+
+
+def fake_quantize(w: Tensor, bits: int = 4, **kw) -> Tensor:
+    """quantize then dequantize, in w's dtype: what the model computes with after weight-only quantization."""
+    return dequantize(quantize(w, bits, **kw)).to(w.dtype)
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Unsigned codes uint8 [..., n] (each < 2^bits) -> uint8 [..., n * bits / 8], a little-endian bit stream."""
+    n = codes.shape[-1]
+    if (n * bits) % 8:
+        raise ValueError(f"{n} codes of {bits} bits do not fill whole bytes; pad the last dimension")
+    if codes.numel() and int(codes.max()) >= 1 << bits:
+        raise ValueError(f"a code is >= 2^{bits}: codes must be unsigned and fit in {bits} bits")
+    shifts = torch.arange(bits, dtype=torch.uint8, device=codes.device)
+    stream = (codes.to(torch.uint8)[..., None] >> shifts) & 1                  # [..., n, bits] bits, LSB first
+    stream = stream.reshape(*codes.shape[:-1], -1, 8)                           # [..., bytes, 8]
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=codes.device))
+    return (stream.to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of `pack_bits`: uint8 [..., n * bits / 8] -> uint8 codes [..., n]."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    stream = ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1, bits)   # [..., n, bits]
+    weights = (1 << torch.arange(bits, dtype=torch.int32, device=packed.device))
+    codes = (stream.to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    assert codes.shape[-1] == n, f"packed data holds {codes.shape[-1]} codes, expected {n}"
+    return codes
+
+
+class QuantLinear(torch.nn.Module):
+    """A Linear whose weight lives packed (`QuantizedTensor`); forward dequantizes, then multiplies in x's dtype.
+    The reference for every faster weight-only kernel: same numbers, no speed."""
+
+    def __init__(self, qweight: QuantizedTensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight, self.bias = qweight, bias
+        self.out_features, self.in_features = qweight.shape
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.qweight.dequantize().to(x.dtype),
+                                          None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        q = self.qweight
+        kind = "per-tensor" if q.group_size == q.shape[0] * q.shape[1] else (
+            "per-channel" if q.group_size == q.shape[1] else f"group {q.group_size}")
+        return f"{self.in_features} -> {self.out_features}, int{q.bits} {kind}, {'sym' if q.symmetric else 'asym'}"
+
+
+def quantize_linears(model: torch.nn.Module, bits: int = 4, *, skip: tuple[str, ...] = ("lm_head",), **kw) -> dict[str, QuantizedTensor]:
+    """Replace every nn.Linear of `model` (in place) by a `QuantLinear`, except names ending in `skip`.
+    Returns {name: QuantizedTensor}. A tied LM head shares the embedding: quantizing it would quantize the
+    embedding too, so it is skipped by default."""
+    done: dict[str, QuantizedTensor] = {}
+    for name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, torch.nn.Linear) and not full.endswith(skip):
+                qt = quantize(child.weight, bits, **kw)
+                setattr(mod, child_name, QuantLinear(qt, child.bias))
+                done[full] = qt
+    return done

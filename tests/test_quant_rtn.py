@@ -1,0 +1,68 @@
+"""RTN quantization: error bounds, code ranges, exact pack/unpack round-trips, byte counts, QuantLinear."""
+import pytest
+import torch
+
+from llmso_lab.quant import QuantLinear, dequantize, fake_quantize, pack_bits, quantize, quantize_linears, unpack_bits
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("gran", [{}, {"group_size": 32}, {"per_tensor": True}])
+def test_rtn_error_within_half_step_and_codes_in_range(bits, symmetric, gran):
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(bits))
+    qt = quantize(w, bits, symmetric=symmetric, **gran)
+    q = qt.codes()
+    lo, hi = ((-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if symmetric else (0, (1 << bits) - 1))
+    assert lo <= int(q.min()) and int(q.max()) <= hi
+    assert qt.scale.numel() == (1 if "per_tensor" in gran else 48 * 3 if "group_size" in gran else 48)
+    err = (dequantize(qt) - w).abs().reshape(qt.scale.shape[0], qt.scale.shape[1], -1)
+    step = qt.scale[..., None]
+    assert bool((err <= step / 2 * (1 + 1e-5) + 1e-7).all())   # round to nearest: at most half a step
+    assert qt.packed.dtype == torch.uint8 and qt.packed.shape == (48, 96 * bits // 8)
+
+
+def test_asymmetric_rtn_is_idempotent_on_its_own_grid():
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    once = fake_quantize(w, 4, group_size=32, symmetric=False)
+    twice = quantize(once, 4, group_size=32, symmetric=False)
+    assert torch.equal(twice.codes(), quantize(w, 4, group_size=32, symmetric=False).codes())
+    torch.testing.assert_close(dequantize(twice), once, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_pack_unpack_round_trip(bits):
+    codes = torch.randint(0, 1 << bits, (5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (5, 64 * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, 64), codes)
+
+
+def test_int4_packing_is_two_nibbles_low_first():
+    codes = torch.tensor([[0x3, 0xA, 0xF, 0x1]], dtype=torch.uint8)
+    assert pack_bits(codes, 4).tolist() == [[0xA3, 0x1F]]
+
+
+def test_bad_inputs_say_what_to_do():
+    with pytest.raises(ValueError, match="group_size=128 does not divide the 576"):
+        quantize(torch.randn(4, 576), 4, group_size=128)
+    with pytest.raises(ValueError, match="bits must be in 2..8"):
+        quantize(torch.randn(4, 8), 1)
+    with pytest.raises(ValueError, match="whole bytes"):
+        pack_bits(torch.zeros(1, 3, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="fit in 4 bits"):
+        pack_bits(torch.full((1, 2), 16, dtype=torch.uint8), 4)
+
+
+def test_bytes_int4_group32_is_about_a_quarter_of_fp16_plus_scales():
+    qt = quantize(torch.randn(64, 128), 4, group_size=32, symmetric=False)
+    assert qt.nbytes == 64 * 128 // 2 + 64 * 4 * 2 * 2   # codes + fp16 scale and minimum per group
+
+
+def test_quantize_linears_replaces_and_matches_fake_quant():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(3, 64)
+    expected = model[2](torch.relu(torch.nn.functional.linear(x, fake_quantize(model[0].weight, 4, group_size=32), model[0].bias)))
+    done = quantize_linears(model, 4, group_size=32, skip=("2",))
+    assert list(done) == ["0"] and isinstance(model[0], QuantLinear) and isinstance(model[2], torch.nn.Linear)
+    torch.testing.assert_close(model(x), expected)
