@@ -36,8 +36,10 @@ lab: setup
 release: setup
 	$(VENV)/bin/llmso-lab release --out dist/student
 
+GPU_NAME = $$($(PY) -c "import torch;print(torch.cuda.get_device_name(0).replace(' ','-') if torch.cuda.is_available() else 'cpu')")
 gpu-bench: setup
-	$(VENV)/bin/llmso-lab bench attention --json data/gpu_results/attention-$$($(PY) -c "import torch;print(torch.cuda.get_device_name(0).replace(' ','-') if torch.cuda.is_available() else 'cpu')").json
+	$(VENV)/bin/llmso-lab bench attention --json data/gpu_results/attention-$(GPU_NAME).json
+	$(VENV)/bin/llmso-lab bench w4a16 --json data/gpu_results/w4a16-$(GPU_NAME).json
 
 clean:
 	rm -rf $(VENV) out dist .pytest_cache

@@ -42,6 +42,8 @@ class EngineConfig:
     sjf_aging: float = 0.0                    # sjf: predicted tokens forgiven per second waited
     share_kv_blocks: bool = True              # n > 1 / beams share blocks copy-on-write; False: each its own copy
     dtype: str = "float32"                    # "auto" | "float32" | "bfloat16" | "float16" (vLLM's --dtype)
+    quantization: str | None = None           # weight-only: "int8" (per channel) | "int4" (group 32) | "int4-g64"
+    quantization_group_size: int = field(default=0, init=False)         # int4's group, parsed from `quantization`
     torch_dtype: torch.dtype | None = field(default=None, init=False)   # what `dtype` resolved to
     dtype_reason: str = field(default="", init=False)                   # why (for "auto": what was detected)
 
@@ -56,6 +58,8 @@ class EngineConfig:
             self.dtype = str(self.dtype).removeprefix("torch.")
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: auto, {', '.join(DTYPES)}")
+        if self.quantization is not None:
+            self.quantization, self.quantization_group_size = parse_quantization(self.quantization)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -89,6 +93,20 @@ class EngineConfig:
             self.swap_space_blocks = 0
         elif self.swap_space_blocks is None:
             self.swap_space_blocks = self.num_kv_blocks
+
+
+def parse_quantization(spec: str) -> tuple[str, int]:
+    """"int8" -> ("int8", 0); "int4" -> ("int4", 32); "int4-g64" -> ("int4", 64). Raises ValueError otherwise."""
+    valid = 'valid: "int8", "int4" (group 32), "int4-g64" (or "int4-gN" for a group N dividing every input size), None'
+    method, _, group = str(spec).partition("-g")
+    if method == "int8" and not group:
+        return "int8", 0
+    if method == "int4" and (not group or group.isdigit()):
+        g = int(group or 32)
+        if g < 2 or g & (g - 1):
+            raise ValueError(f"quantization={spec!r}: the int4 group must be a power of two >= 2 (32 or 64 for SmolLM2); {valid}")
+        return "int4", g
+    raise ValueError(f"unknown quantization {spec!r}; {valid}")
 
 
 def resolve_dtype(dtype: str, device: torch.device, attention_backend: str = "torch") -> tuple[torch.dtype, str]:

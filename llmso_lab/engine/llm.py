@@ -41,6 +41,11 @@ class LLM:
     reference counts: same tokens, more memory). `prefix_caching_algo="radix"` caches prefixes in a radix tree
     over tokens (SGLang) instead of a hash chain over full blocks (vLLM).
 
+    Quantization (lecture 1-3): `quantization="int8"` (per output channel) or `"int4"` / `"int4-g64"` (group 32 /
+    64, asymmetric) quantizes every matmul's weight at load time and multiplies from the packed bytes
+    (`llmso_lab.quant.weight_only`; W8A16 / W4A16, activations cast to bf16 for the kernel only). Decode reads
+    4x / 8x fewer weight bytes than fp32; the embedding, norms and KV cache keep `dtype`.
+
     Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
     `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
     can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
@@ -54,6 +59,7 @@ class LLM:
                  swap_space_blocks: int | None = None, attention_backend: str = "torch", seed: int = 0,
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
                  dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, prefix_caching_algo: str = "hash",
+                 quantization: str | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -62,7 +68,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
             preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
             seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging,
-            dtype=dtype, share_kv_blocks=share_kv_blocks, prefix_caching_algo=prefix_caching_algo)
+            dtype=dtype, share_kv_blocks=share_kv_blocks, prefix_caching_algo=prefix_caching_algo,
+            quantization=quantization)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock

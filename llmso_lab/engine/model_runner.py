@@ -55,8 +55,12 @@ def _t(w: Tensor, dtype: torch.dtype) -> Tensor:
     return w.detach().to(dtype).t().contiguous()
 
 
-def linear(x: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [T, in] @ w_t [in, out] (+ bias) -> [T, out]."""
+def linear(x: Tensor, w_t, bias: Tensor | None = None) -> Tensor:
+    """x [T, in] @ w_t [in, out] (+ bias) -> [T, out]. `w_t` may instead be a weight-only quantized matmul
+    (`llmso_lab.quant.weight_only`), called on x."""
+    if not isinstance(w_t, Tensor):
+        y = w_t(x)
+        return y if bias is None else y + bias
     return x @ w_t if bias is None else torch.addmm(bias, x, w_t)
 
 
@@ -131,6 +135,8 @@ class ModelRunner:
             self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)   # [V, hidden]
             self.final_norm = model.model.norm.weight.detach().to(self.dtype)
             self.lm_head = _t(model.get_output_embeddings().weight, self.dtype)       # [hidden, V] (a copy even when tied)
+            if config.quantization:
+                self._quantize_weights(config.quantization, config.quantization_group_size)
             cos, sin = rope_cos_sin(cfg, max_model_len)
             half = sin.shape[-1] // 2
             sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)                   # signed for apply_rope
@@ -164,6 +170,17 @@ class ModelRunner:
             gate_up_bias=cast(_cat(bias(m.gate_proj), bias(m.up_proj))),
             down=_t(m.down_proj.weight, dtype), down_bias=cast(_cat(bias(m.down_proj))), sliding_window=window,
             mla=None if gqa else load_mla(a, mla, dtype, _t))
+
+    def _quantize_weights(self, method: str, group_size: int) -> None:
+        """Weight-only quantization of every matmul (q/k/v, o, gate/up, down, LM head); the embedding lookup,
+        norms and the KV cache stay in the engine's dtype."""
+        from llmso_lab.quant.weight_only import quantize_weight
+        if self.mla is not None:
+            raise ValueError("quantization is implemented for Llama-family attention, not MLA; use quantization=None")
+        q = lambda w_t: quantize_weight(w_t.t().float(), method, group_size=group_size)  # noqa: E731  [in, out] -> [out, in]
+        for w in self.layers:
+            w.qkv, w.o, w.gate_up, w.down = q(w.qkv), q(w.o), q(w.gate_up), q(w.down)
+        self.lm_head = q(self.lm_head)
 
     def weight_matrices(self) -> list[Tensor]:
         """The matrices one forward multiplies by, in order: q/k/v, o, gate/up, down per layer, then the LM head."""
