@@ -1,6 +1,7 @@
 # llmso-lab — the only commands a person needs: `make demo`, `make test` (and `make lab`).
 PYTHON ?= python3
 VENV   ?= .venv
+PEERS  ?= .venv-peers
 PY     := $(VENV)/bin/python
 # torch is installed first and pinned: on a CPU-only host pip takes the 2.13.0 CPU wheel (fast, small);
 # on a GPU host the same pin pulls PyPI's default CUDA build. Override with `make setup TORCH_SPEC=...`.
@@ -9,7 +10,16 @@ export TRITON_INTERPRET ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo
 
 .PHONY: setup demo test test-fast lab release gpu-bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(PEERS)/.installed
+
+# Peers measured beside our code (bench quant): torchao in its own venv that sees the main venv's packages
+# through a .pth line. In the main venv, transformers would import torchao at every model load (and log warnings).
+$(PEERS)/.installed: $(VENV)/.installed
+	@test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	echo "import site; site.addsitedir('$$($(PY) -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")')" \
+		> $$($(PEERS)/bin/python -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")/llmso_lab_main_venv.pth
+	$(PEERS)/bin/python -m pip install --quiet --no-deps "torchao==0.18.0"
+	@touch $@
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,4 +52,4 @@ gpu-bench: setup
 	$(VENV)/bin/llmso-lab bench w4a16 --json data/gpu_results/w4a16-$(GPU_NAME).json
 
 clean:
-	rm -rf $(VENV) out dist .pytest_cache
+	rm -rf $(VENV) $(PEERS) out dist .pytest_cache

@@ -54,11 +54,13 @@ def variants(model) -> dict[str, tuple[object, str]]:
     return out
 
 
-def decode_speeds(models: dict[str, object], tokenizer, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
+def decode_speeds(models: dict[str, object], tokenizer, prompts: list[list[int]], max_tokens: int,
+                  engine_kwargs: dict[str, dict] | None = None) -> dict[str, dict]:
     """Greedy decode of `prompts` (all at once, EOS ignored) on one engine per model, each engine's cache sized
     to hold exactly them (`ModelShape.kv_cache_bytes`, fp32). The engines take steps in turn, one each, so that
     whatever else runs on the machine slows them alike.
 
+    `engine_kwargs`: extra `LLM` keyword arguments per model name (e.g. {"int8": {"quantization": "int8"}}).
     Per model: "tok_s" (batch / median wall time of the steps that decode every sequence and prefill nothing),
     "steps" (how many such steps), "step_ms" (that median) and "token_ids" (each prompt's output)."""
     from llmso_lab.engine import LLM, SamplingParams
@@ -69,7 +71,8 @@ def decode_speeds(models: dict[str, object], tokenizer, prompts: list[list[int]]
     for name, model in models.items():
         budget = ModelShape.from_hf_config(model.config).kv_cache_bytes(-(-max_len // block) * block, B, bytes_per_elem=4)
         engines[name] = llm = LLM(model, tokenizer, block_size=block, max_model_len=max_len, max_num_seqs=B,
-                                  kv_cache_memory_bytes=budget, max_num_batched_tokens=max(2048, max_len))
+                                  kv_cache_memory_bytes=budget, max_num_batched_tokens=max(2048, max_len),
+                                  **(engine_kwargs or {}).get(name, {}))
         for p in prompts:
             llm.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     while any(llm.has_unfinished_requests() for llm in engines.values()):

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["QuantizedTensor", "quantize", "dequantize", "fake_quantize", "pack_bits", "unpack_bits", "QuantLinear",
+__all__ = ["QuantizedTensor", "quantize", "dequantize", "fake_quantize", "pack_bits", "unpack_bits", "pack_int4",
+           "unpack_int4", "QuantLinear",
            "quantize_linears"]
 
 
@@ -123,6 +124,16 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     codes = (stream.to(torch.int32) * weights).sum(-1).to(torch.uint8)
     assert codes.shape[-1] == n, f"packed data holds {codes.shape[-1]} codes, expected {n}"
     return codes
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """uint8 codes 0..15 [..., n] -> uint8 [..., n / 2]: two per byte, the even index in the low nibble."""
+    return pack_bits(codes, 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """Inverse of `pack_int4`: uint8 [..., m] -> codes [..., 2 m]."""
+    return unpack_bits(packed, 4, 2 * packed.shape[-1])
 
 
 class QuantLinear(torch.nn.Module):
