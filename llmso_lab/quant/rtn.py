@@ -116,8 +116,13 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
         raise ValueError(f"{n} codes of {bits} bits do not fill whole bytes; pad the last dimension")
     if codes.numel() and int(codes.max()) >= 1 << bits:
         raise ValueError(f"a code is >= 2^{bits}: codes must be unsigned and fit in {bits} bits")
-    if bits == 8:   # the stream is the bytes themselves (and the bit-by-bit path is slow on 100M weights)
-        return codes.to(torch.uint8).clone()
+    if 8 % bits == 0:   # whole codes per byte (1, 2, 4, 8 bits): code k of a byte sits at bit k * bits
+        per = 8 // bits     # same stream as the bit-by-bit path below, which is slow on 100M weights
+        c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // per, per)
+        packed = c[..., 0].clone()
+        for k in range(1, per):
+            packed |= c[..., k] << (k * bits)
+        return packed
     shifts = torch.arange(bits, dtype=torch.uint8, device=codes.device)
     stream = (codes.to(torch.uint8)[..., None] >> shifts) & 1                  # [..., n, bits] bits, LSB first
     stream = stream.reshape(*codes.shape[:-1], -1, 8)                           # [..., bytes, 8]
@@ -127,9 +132,11 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
 
 def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of `pack_bits`: uint8 [..., n * bits / 8] -> uint8 codes [..., n]."""
-    if bits == 8:
-        assert packed.shape[-1] == n, f"packed data holds {packed.shape[-1]} codes, expected {n}"
-        return packed.clone()
+    if 8 % bits == 0:
+        per = 8 // bits
+        assert packed.shape[-1] * per == n, f"packed data holds {packed.shape[-1] * per} codes, expected {n}"
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:-1], n)
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     stream = ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1, bits)   # [..., n, bits]
     weights = (1 << torch.arange(bits, dtype=torch.int32, device=packed.device))
