@@ -1,4 +1,5 @@
-"""Quality of a (changed) model: perplexity on the project's eval text, `data/eval/eval_text.txt`.
+"""Quality of a (changed) model: perplexity on the project's eval text, `data/eval/eval_text.txt`
+(and the calibration text, `data/eval/calib_text.txt`, for methods that need activations).
 
 Fewer KV heads, quantised weights or a compressed KV cache make serving cheaper; perplexity on one fixed,
 ordinary text says what that costs. Perplexity = exp(mean negative log-likelihood of each next token):
@@ -14,29 +15,43 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["EVAL_TEXT_PATH", "EVAL_TEXT_SHA256", "load_eval_text", "eval_token_ids", "perplexity"]
+__all__ = ["EVAL_TEXT_PATH", "EVAL_TEXT_SHA256", "CALIB_TEXT_PATH", "CALIB_TEXT_SHA256", "load_eval_text",
+           "eval_token_ids", "calibration_token_ids", "perplexity"]
 
-EVAL_TEXT_PATH = Path(__file__).resolve().parents[1] / "data" / "eval" / "eval_text.txt"
-EVAL_TEXT_SHA256 = "a802b9ebe795149e2163bf5a405a9c33cca5a37c400b769b13a6c130fbb641ef"   # see data/eval/README.md
+_DATA = Path(__file__).resolve().parents[1] / "data" / "eval"
+EVAL_TEXT_PATH = _DATA / "eval_text.txt"      # scored: authored prose + Python docs prose, 8,832 SmolLM2 tokens
+EVAL_TEXT_SHA256 = "01bccde84406343e710ec50c5c94f732077fd347ea8d63eabcae3a2fa274f644"   # see data/eval/README.md
+CALIB_TEXT_PATH = _DATA / "calib_text.txt"    # never scored: calibration data (AWQ, GPTQ, SmoothQuant), 3,112 tokens
+CALIB_TEXT_SHA256 = "586a4ad8cf3e501e034a04e3b279fe2a5d9a06c15bf31ea32545993aff954376"
+_RECORDED = {EVAL_TEXT_PATH: EVAL_TEXT_SHA256, CALIB_TEXT_PATH: CALIB_TEXT_SHA256}
 
 
 def load_eval_text(path: str | Path = EVAL_TEXT_PATH) -> str:
-    """The eval text (UTF-8). Raises ValueError if it is missing or not the recorded bytes (default path only)."""
+    """A text of data/eval (UTF-8): the eval text by default. Raises ValueError if it is missing or, for the
+    project's two texts, not the recorded bytes (sha256)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path} is missing: it ships with the repository (data/eval/)")
     data = path.read_bytes()
-    if path == EVAL_TEXT_PATH and hashlib.sha256(data).hexdigest() != EVAL_TEXT_SHA256:
+    recorded = _RECORDED.get(path.resolve())
+    if recorded is not None and hashlib.sha256(data).hexdigest() != recorded:
         raise ValueError(f"{path} differs from the recorded text (sha256); see data/eval/README.md")
     return data.decode("utf-8")
 
 
 def eval_token_ids(tokenizer=None, max_tokens: int | None = None, path: str | Path = EVAL_TEXT_PATH) -> list[int]:
-    """The eval text as token ids (no special tokens), cut to `max_tokens`. `tokenizer=None`: its UTF-8 bytes,
-    one id per byte (0..255: the vocabulary of the tiny test models)."""
+    """The eval text (or the text at `path`) as token ids (no special tokens), cut to `max_tokens`.
+    `tokenizer=None`: its UTF-8 bytes, one id per byte (0..255: the vocabulary of the tiny test models)."""
     text = load_eval_text(path)
     ids = list(text.encode("utf-8")) if tokenizer is None else tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids[:max_tokens]
+
+
+def calibration_token_ids(tokenizer=None, max_tokens: int | None = None) -> list[int]:
+    """The calibration text (`data/eval/calib_text.txt`) as token ids, like `eval_token_ids`. For methods that
+    look at activations (AWQ, GPTQ, SmoothQuant); it shares no paragraph with the eval text, so a method is
+    never scored on what it was calibrated on."""
+    return eval_token_ids(tokenizer, max_tokens, CALIB_TEXT_PATH)
 
 
 @torch.no_grad()

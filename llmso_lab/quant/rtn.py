@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["QuantizedTensor", "quantize", "dequantize", "fake_quantize", "pack_bits", "unpack_bits", "pack_int4",
-           "unpack_int4", "QuantLinear",
-           "quantize_linears"]
+__all__ = ["QuantizedTensor", "quantize", "dequantize", "fake_quantize", "pack_bits", "unpack_bits", "QuantLinear",
+           "quantize_linears", "round_to_grid", "pack_int4", "unpack_int4"]
 
 
 @dataclass(slots=True)
@@ -72,18 +71,26 @@ def quantize(w: Tensor, bits: int = 4, *, group_size: int | None = None, per_ten
     if not 2 <= bits <= 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
     x, g = _groups(w.detach().float(), group_size, per_tensor)
+    q, scale, minimum = round_to_grid(x, bits, symmetric)                            # scale: [out, G]
     if symmetric:
-        qmax = (1 << (bits - 1)) - 1
-        scale = (x.abs().amax(-1) / qmax).clamp_min(1e-12)                         # [out, G]
-        q = torch.clamp(torch.round(x / scale[..., None]), -qmax - 1, qmax) + (qmax + 1)
-        minimum = None
-    else:
-        lo, hi = x.amin(-1), x.amax(-1)
-        scale = ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-12)
-        q = torch.clamp(torch.round((x - lo[..., None]) / scale[..., None]), 0, (1 << bits) - 1)
-        minimum = lo
+        q = q + (1 << (bits - 1))   # stored unsigned
     codes = q.to(torch.uint8).reshape(w.shape)
     return QuantizedTensor(pack_bits(codes, bits), scale, minimum, bits, g, tuple(w.shape))
+
+
+def round_to_grid(x: Tensor, bits: int, symmetric: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The RTN grid of each row of x [..., g] (the last dimension is one group): codes q (float, same shape;
+    signed in [-2^(b-1), 2^(b-1) - 1] if symmetric, else in [0, 2^b - 1]), scale [...] and minimum [...]
+    (None if symmetric). `quantize` packs these; activation quantizers (per token) use them unpacked."""
+    if symmetric:
+        qmax = (1 << (bits - 1)) - 1
+        scale = (x.abs().amax(-1) / qmax).clamp_min(1e-12)
+        q = torch.clamp(torch.round(x / scale[..., None]), -qmax - 1, qmax)
+        return q, scale, None
+    lo, hi = x.amin(-1), x.amax(-1)
+    scale = ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-12)
+    q = torch.clamp(torch.round((x - lo[..., None]) / scale[..., None]), 0, (1 << bits) - 1)
+    return q, scale, lo
 
 
 def dequantize(qt: QuantizedTensor) -> Tensor:
@@ -109,6 +116,13 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
         raise ValueError(f"{n} codes of {bits} bits do not fill whole bytes; pad the last dimension")
     if codes.numel() and int(codes.max()) >= 1 << bits:
         raise ValueError(f"a code is >= 2^{bits}: codes must be unsigned and fit in {bits} bits")
+    if 8 % bits == 0:   # whole codes per byte (1, 2, 4, 8 bits): code k of a byte sits at bit k * bits
+        per = 8 // bits     # same stream as the bit-by-bit path below, which is slow on 100M weights
+        c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // per, per)
+        packed = c[..., 0].clone()
+        for k in range(1, per):
+            packed |= c[..., k] << (k * bits)
+        return packed
     shifts = torch.arange(bits, dtype=torch.uint8, device=codes.device)
     stream = (codes.to(torch.uint8)[..., None] >> shifts) & 1                  # [..., n, bits] bits, LSB first
     stream = stream.reshape(*codes.shape[:-1], -1, 8)                           # [..., bytes, 8]
@@ -118,6 +132,11 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
 
 def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of `pack_bits`: uint8 [..., n * bits / 8] -> uint8 codes [..., n]."""
+    if 8 % bits == 0:
+        per = 8 // bits
+        assert packed.shape[-1] * per == n, f"packed data holds {packed.shape[-1] * per} codes, expected {n}"
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:-1], n)
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     stream = ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1, bits)   # [..., n, bits]
     weights = (1 << torch.arange(bits, dtype=torch.int32, device=packed.device))
