@@ -1,0 +1,109 @@
+"""`llmso-lab bench compress`: what each compression method costs in quality on SmolLM2, in one run (lecture 1-3).
+
+Perplexity on the eval text (`llmso_lab.quality`, windows of 512; `--quick`: its first 1,024 tokens) after:
+
+- `bits`: weight-only RTN, AWQ and GPTQ at 8 / 4 / 3 / 2 bits, symmetric, groups of 64 — a grid that does *not*
+  align with the checkpoint's own Q4_1 blocks (group 32, asymmetric), which RTN reproduces exactly (rows
+  "RTN 4 g32 asym"); calibration: 512 tokens of `data/eval/calib_text.txt` (never scored). Fake quantization in
+  fp32 (the weights the kernels would multiply by); the lm_head (tied embedding) stays fp32.
+- `smoothquant`: W8A8 int8 (per-token activations, per-channel weights) without and with SmoothQuant, alpha swept;
+  `fp8`: W8A8 in FP8 e4m3 / e5m2 (simulated: values cast, math in fp32).
+- `prune_unstructured` (magnitude, per matrix), `prune_2_4`, `prune_mlp` (structured: MLP channels removed).
+- `distill`: a tiny student trained 300 steps on the teacher's top-64 logits (KL, T = 2) vs on the text's tokens
+  (CE), same data, same seed; held-out perplexity (`llmso_lab.quant.distill.compare_soft_hard`).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+
+from llmso_lab.bench.attention import _device_name
+
+__all__ = ["run"]
+
+
+def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
+    from tqdm.auto import tqdm
+
+    from llmso_lab.models import load_model
+    from llmso_lab.quality import calibration_token_ids, eval_token_ids, perplexity
+    from llmso_lab.quant.awq import awq_quantize_model
+    from llmso_lab.quant.distill import compare_soft_hard
+    from llmso_lab.quant.gptq import gptq_quantize_model
+    from llmso_lab.quant.prune import prune_2_4, prune_mlp_channels, prune_unstructured
+    from llmso_lab.quant.rtn import fake_quantize
+    from llmso_lab.quant.w8a8 import quantize_linears_w8a8, smooth_model
+
+    t_start = time.perf_counter()
+    model, tok = load_model("smollm2-135m")
+    ids = eval_token_ids(tok, 1024 if quick else None)
+    calib = calibration_token_ids(tok, 512)
+    ppl = lambda m: round(perplexity(m, ids, window=512), 3)  # noqa: E731
+
+    def rtn(m, bits, group, sym):
+        for name, lin in m.named_modules():
+            if hasattr(lin, "weight") and type(lin).__name__ == "Linear" and not name.endswith("lm_head"):
+                lin.weight.data.copy_(fake_quantize(lin.weight.data, bits, group_size=group, symmetric=sym))
+
+    jobs = []   # (table, row, transform)
+    bits_list = (8, 4, 3) if quick else (8, 4, 3, 2)
+    for bits in bits_list:
+        jobs.append(("bits", {"method": "RTN", "bits": bits, "group": 64, "symmetric": True},
+                     lambda m, b=bits: rtn(m, b, 64, True)))
+        jobs.append(("bits", {"method": "AWQ", "bits": bits, "group": 64, "symmetric": True},
+                     lambda m, b=bits: awq_quantize_model(m, calib, b, 64, True)))
+        jobs.append(("bits", {"method": "GPTQ", "bits": bits, "group": 64, "symmetric": True},
+                     lambda m, b=bits: gptq_quantize_model(m, calib, b, 64, True)))
+    jobs.append(("bits", {"method": "RTN", "bits": 4, "group": 32, "symmetric": False}, lambda m: rtn(m, 4, 32, False)))
+    jobs.append(("bits", {"method": "RTN", "bits": 4, "group": 64, "symmetric": False}, lambda m: rtn(m, 4, 64, False)))
+    jobs.append(("bits", {"method": "AWQ", "bits": 4, "group": 64, "symmetric": False},
+                 lambda m: awq_quantize_model(m, calib, 4, 64, False)))
+    jobs.append(("bits", {"method": "RTN", "bits": 4, "group": "channel", "symmetric": True}, lambda m: rtn(m, 4, None, True)))
+    for alpha in (None, 0.25, 0.5, 0.75, 1.0):
+        jobs.append(("smoothquant", {"scheme": "W8A8 int8", "alpha": alpha},
+                     lambda m, a=alpha: (a is not None and smooth_model(m, calib, a), quantize_linears_w8a8(m, "int8"))))
+    for fmt in ("e4m3", "e5m2"):
+        jobs.append(("fp8", {"scheme": f"W8A8 FP8 {fmt}"}, lambda m, f=fmt: quantize_linears_w8a8(m, f)))
+    for sp in ((0.0, 0.3, 0.5, 0.7) if quick else (0.0, 0.1, 0.2, 0.3, 0.5, 0.7)):
+        jobs.append(("prune_unstructured", {"sparsity": sp}, lambda m, s=sp: prune_unstructured(m, s)))
+    jobs.append(("prune_2_4", {"pattern": "2:4", "sparsity": 0.5}, lambda m: prune_2_4(m)))
+    for fr in ((0.0, 0.2, 0.5) if quick else (0.0, 0.1, 0.2, 0.3, 0.5)):
+        jobs.append(("prune_mlp", {"fraction": fr}, lambda m, f=fr: prune_mlp_channels(m, f, calib)))
+
+    tables: dict[str, list] = {}
+    for table, row, transform in tqdm(jobs, desc="compress + perplexity"):
+        m = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        transform(m)
+        row = {**row, "ppl": ppl(m), "seconds": round(time.perf_counter() - t0, 1)}
+        tables.setdefault(table, []).append(row)
+        del m
+    steps = distill_steps or (60 if quick else 300)
+    d = compare_soft_hard(model, tok, heldout_tokens=1024, steps=steps, eval_every=max(1, steps // 6))
+    distill = {
+        "steps": steps, "heldout_tokens": 1024, "k": 64, "T": 2.0, "student": "2-layer Llama, hidden 64, PCA-initialised tied embedding",
+        "teacher_ppl": round(d["teacher_ppl"], 3), "topk_mass": round(d["topk_mass"], 4),
+        **{mode: {"heldout_ppl": round(d[mode].heldout_ppl, 3), "seconds": round(d[mode].seconds, 1),
+                  "heldout_curve": [(s, round(p, 3)) for s, p in d[mode].heldout_curve],
+                  "final_loss": round(d[mode].losses[-1], 4)} for mode in ("soft", "hard")}}
+    base = ppl(model)
+    by = {(r["method"], r["bits"], r["group"], r["symmetric"]): r["ppl"] for r in tables["bits"]}
+    ratios = {}
+    for bits in bits_list:
+        for method in ("AWQ", "GPTQ"):
+            ratios[f"{method.lower()}_over_rtn_ppl_{bits}bit_g64_sym"] = round(by[(method, bits, 64, True)] / by[("RTN", bits, 64, True)], 4)
+    ratios["awq_over_rtn_ppl_4bit_g64_asym"] = round(by[("AWQ", 4, 64, False)] / by[("RTN", 4, 64, False)], 4)
+    ratios["rtn_4bit_g32_asym_over_fp32_ppl"] = round(by[("RTN", 4, 32, False)] / base, 4)   # the GGUF's own grid
+    sq = {r["alpha"]: r["ppl"] for r in tables["smoothquant"]}
+    ratios["w8a8_int8_over_fp32_ppl"] = round(sq[None] / base, 4)
+    ratios["w8a8_smoothquant_0.5_over_w8a8_ppl"] = round(sq[0.5] / sq[None], 4)
+    un = {r["sparsity"]: r["ppl"] for r in tables["prune_unstructured"]}
+    ratios["prune_2_4_over_unstructured_50_ppl"] = round(tables["prune_2_4"][0]["ppl"] / un[0.5], 4)
+    ratios["distill_soft_over_hard_heldout_ppl"] = round(distill["soft"]["heldout_ppl"] / distill["hard"]["heldout_ppl"], 4)
+    table = tables.pop("bits")
+    return {"name": "compress", "device": _device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "llmso-lab bench compress" + (" --quick" if quick else ""),
+            "eval_tokens": len(ids), "calib_tokens": len(calib), "ppl_fp32": base, "table": table,
+            "tables": tables, "distill": distill, "ratios": ratios, "seconds": round(time.perf_counter() - t_start, 1)}
