@@ -12,6 +12,19 @@ tensor cores; SmoothQuant to tame activation outlier channels (lecture 1-3).
 - FP8: e4m3 (4 exponent bits, 3 mantissa: max 448, finer steps, inference) and e5m2 (5 and 2: max 57344, wider
   range, for gradients), with a scale = absmax / finfo.max per tensor, channel or token. Simulated on CPU
   (cast to FP8 and back, fp32 matmul); `torch._scaled_mm` is the real FP8 GEMM on Hopper-class GPUs.
+
+Measured on SmolLM2-135M (fp32 model; perplexity on the whole eval text, 8,832 tokens, windows of 512;
+calibration on `calib_text.txt`; lm_head kept in fp32; torch 2.13 CPU, `torch._int_mm`):
+fp32 16.657. W8A8 int8 (per-channel weights, per-token activations): no smoothing 17.101; SmoothQuant
+alpha = 0 / 0.25 / 0.5 / 0.75 / 1.0: 17.706 / 16.972 / 16.781 / 16.821 / 16.918 (alpha = 0 in the formula is
+not "no smoothing": s = 1 / max|W_j| flattens the weights and loads everything onto the activations).
+Outliers (per-channel max|x| over the calibration text, max / median): q_proj inputs 12x (median over layers;
+worst 25x), gate_proj inputs 6x (worst 47x, layer 29), o_proj inputs 3x; down_proj inputs hold the "massive
+activations": 10x typically, 2,211x in layer 11 (one channel at 2,973). SmoothQuant cannot fold into down_proj;
+keeping it in fp32 gives 16.992 without smoothing and 16.722 with alpha = 0.5. FP8 (per-tensor weights,
+per-token activations): e4m3 16.881, e5m2 18.654; e4m3 with per-channel weights 17.079 (the weight error is
+the same, 2.63% vs 2.65%: a float format's relative error does not depend on the scale, so the gap is where
+the roundings happen to fall), e4m3 after smoothing (alpha 0.5) 17.111: smoothing buys FP8 nothing.
 """
 from __future__ import annotations
 
