@@ -5,8 +5,8 @@ MHA = `to_mha` (each KV head copied for its 3 query heads: the same logits, 3x t
 itself, MQA = `to_mqa` (the 3 KV heads mean-pooled into 1, GQA's uptraining initialisation, *not* uptrained).
 For each, in one run:
 
-1. perplexity on `data/eval/eval_text.txt` (`llmso_lab.quality.perplexity`, windows of 512 tokens; the whole
-   text, 2,687 tokens; `--quick`: its first 1,024);
+1. perplexity on `data/eval/eval_text.txt` (`llmso_lab.quality.perplexity`, windows of 512 tokens; its first
+   2,687 tokens, the authored part, as recorded; `--quick`: its first 1,024);
 2. KV bytes per token (`hardware.kv_cache_bytes`, in the engine's fp32 and in bf16) and how many sequences of
    the long context fit a 1 GiB KV cache as the engine sizes it;
 3. engine decode tokens/s (`LLM`, fp32, torch attention, greedy, EOS ignored): batch 1 after a short prompt, and
@@ -34,7 +34,7 @@ from llmso_lab.models.shapes import ModelShape, kv_sizing_table
 
 __all__ = ["run", "variants", "decode_speeds", "FULL", "QUICK"]
 
-FULL = dict(ppl_tokens=None, ppl_window=512, b1_prompt=128, b1_tokens=64, batch=16, context=1024, batch_tokens=16)
+FULL = dict(ppl_tokens=2687, ppl_window=512, b1_prompt=128, b1_tokens=64, batch=16, context=1024, batch_tokens=16)
 QUICK = dict(ppl_tokens=1024, ppl_window=512, b1_prompt=64, b1_tokens=16, batch=8, context=512, batch_tokens=8)
 CACHE_BUDGET = 1 << 30   # bytes: the engine's default kv_cache_memory_bytes
 
