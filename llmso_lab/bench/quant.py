@@ -2,8 +2,8 @@
 (lecture 1-3), with torchao as the peer, in one run.
 
 For SmolLM2 in fp32 and with every matmul weight (q/k/v, o, gate/up, down, LM head) quantized at load time
-(`LLM(quantization=...)`: int8 per channel, int4 group 32 / 64, round-to-nearest; AWQ-scaled int4 when
-`llmso_lab.quant.awq` is present):
+(`LLM(quantization=...)`: int8 per channel, int4 group 32 / 64, round-to-nearest; int4 group 64 on the
+AWQ-folded model, `awq_fold_for_engine`):
 
 1. `weight_MB`: the bytes of those matrices, i.e. what one decode step reads (plus the KV cache);
 2. `ppl`: perplexity on the eval text (`llmso_lab.quality`, windows of 512) of the Hugging Face model whose weights
@@ -41,7 +41,7 @@ __all__ = ["run", "FULL", "QUICK", "chat_prompts", "SCHEMES"]
 FULL = dict(ppl_tokens=None, ppl_window=512, b1_tokens=48, batch=16, new_tokens=24, repeats=3, prefill=512)
 QUICK = dict(ppl_tokens=1024, ppl_window=512, b1_tokens=16, batch=16, new_tokens=8, repeats=1, prefill=256)
 
-# (label, LLM quantization=, bits, group) — RTN; AWQ rows are added when llmso_lab.quant.awq exists
+# (label, LLM quantization=, bits, group): round-to-nearest; `schemes()` adds AWQ
 SCHEMES = [("fp32", None, 32, "-"), ("int8 per-channel", "int8", 8, "channel"),
            ("int4 g32 RTN", "int4", 4, 32), ("int4 g64 RTN", "int4-g64", 4, 64)]
 
@@ -109,14 +109,11 @@ def _peer(quick: bool) -> dict:
 
 
 def schemes() -> list[tuple[str, str | None, int, object, object]]:
-    """(label, quantization, bits, group, model transform or None). AWQ rows when llmso_lab.quant.awq exists."""
+    """(label, quantization, bits, group, model transform or None): the RTN rows, then AWQ int4 group 64 (group 32
+    asymmetric is the checkpoint's own Q4_1 grid, which RTN already reproduces exactly: nothing for AWQ to win)."""
+    from llmso_lab.quant.awq import awq_fold_for_engine
     rows = [(label, q, bits, group, None) for label, q, bits, group in SCHEMES]
-    try:
-        from llmso_lab.quant.awq import awq_fold_for_engine
-    except ImportError:
-        return rows
-    return rows + [("int4 g32 AWQ", "int4", 4, 32, lambda m, c: awq_fold_for_engine(m, c, 4, 32)),
-                   ("int4 g64 AWQ", "int4-g64", 4, 64, lambda m, c: awq_fold_for_engine(m, c, 4, 64))]
+    return rows + [("int4 g64 AWQ", "int4-g64", 4, 64, lambda m, c: awq_fold_for_engine(m, c, 4, 64))]
 
 
 def run(quick: bool = False, *, peer: bool = True, **overrides) -> dict:
@@ -126,17 +123,13 @@ def run(quick: bool = False, *, peer: bool = True, **overrides) -> dict:
     from llmso_lab.bench.kv_heads import decode_speeds
     from llmso_lab.engine import LLM
     from llmso_lab.models import load_model
-    from llmso_lab.quality import eval_token_ids, perplexity
+    from llmso_lab.quality import calibration_token_ids, eval_token_ids, perplexity
     from llmso_lab.quant.weight_only import dequantized_copy
 
     cfg = {**(QUICK if quick else FULL), **overrides}
     model, tok = load_model("smollm2-135m")
     ids = eval_token_ids(tok, cfg["ppl_tokens"])
-    try:
-        from llmso_lab.quality import calibration_token_ids
-        calib = calibration_token_ids(tok, 512)
-    except ImportError:
-        calib = None
+    calib = calibration_token_ids(tok, 512)
     prompts = chat_prompts(tok, cfg["batch"])
     long_prompt = (ids * 2)[:cfg["prefill"]]
     todo = schemes()

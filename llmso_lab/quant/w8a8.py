@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from llmso_lab.quant.rtn import quantize, round_to_grid
+from llmso_lab.quant.rtn import grid_codes, grid_params, quantize
 
 __all__ = ["quantize_per_token", "quantize_weight_int8", "int8_mm", "int8_mm_backend", "w8a8_linear", "W8A8Linear",
            "FP8_FORMATS", "to_fp8", "fp8_linear", "fp8_representation_error", "FP8Linear", "quantize_linears_w8a8",
@@ -45,7 +45,8 @@ __all__ = ["quantize_per_token", "quantize_weight_int8", "int8_mm", "int8_mm_bac
 def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., in] -> (q int8 [..., in], scale fp32 [..., 1]): symmetric, one scale per row (token),
     scale = max|row| / 127 — the grid of `rtn.quantize(bits=8, symmetric=True)` per channel, unpacked."""
-    q, scale, _ = round_to_grid(x.float(), 8, symmetric=True)
+    scale, _ = grid_params(x.float(), 8, symmetric=True)
+    q = grid_codes(x.float(), scale, None, 8)
     return q.to(torch.int8), scale[..., None]
 
 

@@ -12,7 +12,8 @@ from llmso_lab.grading.registry import Case, Exercise, register
 
 fp32 = close(atol=1e-5, rtol=1e-5)      # torch in fp32: only rounding differences
 loss_tol = close(atol=1e-5, rtol=1e-4)  # a scalar summed over a vocabulary: summation order
-RTN_CODE = ("llmso_lab.quant.rtn:quantize", "llmso_lab.quant.rtn:dequantize", "llmso_lab.quant.rtn:round_to_grid",
+RTN_CODE = ("llmso_lab.quant.rtn:quantize", "llmso_lab.quant.rtn:dequantize", "llmso_lab.quant.rtn:grid_params",
+            "llmso_lab.quant.rtn:grid_codes", "llmso_lab.quant.rtn:grid_values",
             "llmso_lab.quant.rtn:quantize_linears", "llmso_lab.quant.rtn:QuantizedTensor.dequantize",
             "llmso_lab.quant.awq:awq_fake_quantize", "llmso_lab.quant.w8a8:quantize_weight_int8",
             "llmso_lab.quant.w8a8:quantize_per_token", "llmso_lab.quant.weight_only:quantize_weight")
