@@ -1,6 +1,8 @@
 """`llmso-lab bench compress`: what each compression method costs in quality on SmolLM2, in one run (lecture 1-3).
 
-Perplexity on the eval text (`llmso_lab.quality`, windows of 512; `--quick`: its first 1,024 tokens) after:
+Perplexity on the first 2,048 tokens of the eval text (`llmso_lab.quality`, windows of 512; `--quick`: 512 tokens)
+after each of ~30 transformations (the whole 8.8K-token text, as `bench quant` scores it, would take ~8 s per model
+here instead of ~2 s):
 
 - `bits`: weight-only RTN, AWQ and GPTQ at 8 / 4 / 3 / 2 bits, symmetric, groups of 64 — a grid that does *not*
   align with the checkpoint's own Q4_1 blocks (group 32, asymmetric), which RTN reproduces exactly (rows
@@ -37,7 +39,7 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
 
     t_start = time.perf_counter()
     model, tok = load_model("smollm2-135m")
-    ids = eval_token_ids(tok, 1024 if quick else None)
+    ids = eval_token_ids(tok, 512 if quick else 2048)
     calib = calibration_token_ids(tok, 512)
     ppl = lambda m: round(perplexity(m, ids, window=512), 3)  # noqa: E731
 
@@ -79,7 +81,7 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
         row = {**row, "ppl": ppl(m), "seconds": round(time.perf_counter() - t0, 1)}
         tables.setdefault(table, []).append(row)
         del m
-    steps = distill_steps or (60 if quick else 300)
+    steps = distill_steps or (20 if quick else 300)
     d = compare_soft_hard(model, tok, heldout_tokens=1024, steps=steps, eval_every=max(1, steps // 6))
     distill = {
         "steps": steps, "heldout_tokens": 1024, "k": 64, "T": 2.0, "student": "2-layer Llama, hidden 64, PCA-initialised tied embedding",

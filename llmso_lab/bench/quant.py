@@ -38,8 +38,8 @@ from llmso_lab.bench.attention import _device_name
 
 __all__ = ["run", "FULL", "QUICK", "chat_prompts", "SCHEMES"]
 
-FULL = dict(ppl_tokens=None, ppl_window=512, b1_tokens=48, batch=16, new_tokens=24, repeats=3, prefill=512)
-QUICK = dict(ppl_tokens=1024, ppl_window=512, b1_tokens=16, batch=16, new_tokens=8, repeats=1, prefill=256)
+FULL = dict(ppl_tokens=None, peer_ppl_tokens=2048, ppl_window=512, b1_tokens=48, batch=16, new_tokens=24, repeats=3, prefill=512)
+QUICK = dict(ppl_tokens=1024, peer_ppl_tokens=512, ppl_window=512, b1_tokens=16, batch=16, new_tokens=8, repeats=1, prefill=256)
 
 # (label, LLM quantization=, bits, group): round-to-nearest; `schemes()` adds AWQ
 SCHEMES = [("fp32", None, 32, "-"), ("int8 per-channel", "int8", 8, "channel"),
@@ -173,7 +173,7 @@ def run(quick: bool = False, *, peer: bool = True, **overrides) -> dict:
         got = _peer(quick)
         peer_rows = got.get("rows") or [{"scheme": "torchao", "status": got.get("error")}]
         result["tables"]["torchao peer (Hugging Face generate)"] = peer_rows
-        result["peer_versions"] = {k: got[k] for k in ("torch", "torchao") if k in got}
+        result["peer_versions"] = {k: got[k] for k in ("torch", "torchao", "ppl_tokens") if k in got}
         base = next((r for r in peer_rows if r["scheme"] == "HF fp32" and "ppl" in r), None)
         for r in peer_rows:
             key = "torchao_int8" if "int8" in r["scheme"] else "torchao_int4" if "Prototype" in r["scheme"] else None

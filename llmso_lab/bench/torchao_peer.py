@@ -3,7 +3,7 @@ the main venv's packages plus torchao 0.18; in the main venv transformers would 
 
 `python -m llmso_lab.bench.torchao_peer [--quick]` prints one JSON object: for Hugging Face SmolLM2 in fp32 and with
 torchao's weight-only configs applied by `torchao.quantization.quantize_` (the way torchao documents it), the
-perplexity on the eval text and `generate` decode tokens/s at batch 1 and 16. torchao's int8 and int4 CPU kernels
+perplexity on the first `peer_ppl_tokens` of the eval text and `generate` decode tokens/s at batch 1 and 16. torchao's int8 and int4 CPU kernels
 take bf16 activations, so those models run in bf16 (fp32 activations would take a slow path). A config that cannot
 run on this CPU gets a row saying exactly why.
 """
@@ -51,7 +51,9 @@ def measure(quick: bool) -> dict:
 
     cfg = QUICK if quick else FULL
     base, tok = load_model("smollm2-135m")
-    ids = eval_token_ids(tok, cfg["ppl_tokens"])
+    # torchao's CPU kernels are slow for 512-row matmuls (see bench quant's prefill_ms): score fewer tokens, and
+    # compare each quantized model with HF fp32 on the same tokens
+    ids = eval_token_ids(tok, cfg["peer_ppl_tokens"])
     prompts = chat_prompts(tok, cfg["batch"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -73,7 +75,7 @@ def measure(quick: bool) -> dict:
         rows.append({"scheme": label, "ppl": round(perplexity(m, ids, window=cfg["ppl_window"]), 3),
                      "b1_tok_s": round(speed(m, prompts[:1]), 1), f"b{cfg['batch']}_tok_s": round(speed(m, prompts), 1)})
         del m
-    return {"torch": torch.__version__, "torchao": __import__("torchao").__version__, "rows": rows}
+    return {"torch": torch.__version__, "torchao": __import__("torchao").__version__, "ppl_tokens": len(ids), "rows": rows}
 
 
 if __name__ == "__main__":
