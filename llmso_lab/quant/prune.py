@@ -7,20 +7,22 @@
   |w|. Exactly 50% zeros in a fixed pattern that hardware understands (see `mask_2_4`).
 - **Structured pruning**: remove whole attention heads (`prune_heads`) or MLP intermediate channels
   (`prune_mlp_channels`). The matrices physically shrink, so every dense kernel gets faster and smaller, but a
-  whole channel is a coarse unit: quality drops fastest of the three at the same number of removed weights.
+  whole channel is a coarse unit, and which channels matter is hard to tell from the weights alone (below).
 
 Without retraining (all of this is one-shot, as here) the loss grows quickly with sparsity; in practice pruning
 is followed by a short fine-tune or distillation (`llmso_lab.quant.distill`) to recover.
 
 Measured on SmolLM2-135M (perplexity of the eval text's first 1,024 tokens, windows of 512; dense: 17.4):
 - unstructured, every linear but the tied head: 10% 17.1, 20% 18.8, 30% 28.6, 50% 639, 70% 40,430, 80% 5.6e6
-  (small models are fragile: methods that use calibration data, Wanda or SparseGPT, do much better at 50%);
+  (one-shot magnitude pruning of a small model; Wanda and SparseGPT, which use calibration data, are reported
+  to do much better at 50%);
 - 2:4 on every linear (also 50%): 1668, vs 639 unstructured -- the fixed pattern costs quality;
 - MLP channels, activation-aware (calibration: tokens 1024..1535, not the scored ones): 10% 21.8, 20% 28.6,
   30% 46.9, 50% 184; weight-only importance: 10% already 7,762 (in 15 of the 30 layers its 10% cut includes
   the channel with the largest activation-aware importance);
 - heads (least `head_importance` per KV group, every layer, physically removed): 1 of 3 per group (9 -> 6
   heads) 141, 2 of 3 (9 -> 3) 7,514; one head zeroed in a single layer: 17.5..18.6.
+
 Weights W are [out, in] (nn.Linear's layout); "input dimension" = `in`, the one a dot product runs along.
 """
 from __future__ import annotations
