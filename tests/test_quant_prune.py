@@ -166,7 +166,8 @@ def test_mlp_channel_importance_formulas():
     expected = m.gate_proj.weight[j].norm() * m.up_proj.weight[j].norm() * m.down_proj.weight[:, j].norm()
     torch.testing.assert_close(mlp_channel_importance(m)[j], expected)
     acts = torch.randn(10, 256, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(mlp_channel_importance(m, acts)[j], acts[:, j].abs().mean() * m.down_proj.weight[:, j].norm())
+    torch.testing.assert_close(mlp_channel_importance(m, acts)[j],
+                               acts[:, j].abs().mean() * m.down_proj.weight[:, j].norm())
 
 
 def test_mlp_activations_are_the_input_of_down_proj():
@@ -185,7 +186,8 @@ def test_activation_aware_mlp_pruning_keeps_the_most_active_channels():
     imp = mlp_channel_importance(ref.model.layers[0].mlp, mlp_activations(ref, ids)[0])
     assert prune_mlp_channels(model, 0.5, calibration_ids=ids) == 128
     kept = torch.sort(torch.topk(imp, 128).indices).values
-    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight, ref.model.layers[0].mlp.down_proj.weight[:, kept])
+    torch.testing.assert_close(model.model.layers[0].mlp.down_proj.weight,
+                               ref.model.layers[0].mlp.down_proj.weight[:, kept])
 
 
 def test_perplexity_sweep_leaves_the_model_alone():

@@ -6,14 +6,22 @@ Hinton et al. (2015):
 
     loss = alpha * T^2 * KL( softmax(teacher / T) || softmax(student / T) ) + (1 - alpha) * CE(student, labels)
 
-The temperature T > 1 flattens both distributions so the small probabilities (the "dark knowledge") weigh in;
+A temperature T > 1 flattens both distributions so the small probabilities (the "dark knowledge") weigh more;
 the gradient of the KL term scales like 1 / T^2, hence the T^2 that keeps it comparable to the CE term.
 
-Here: the teacher is SmolLM2-135M, the student a tiny Llama (2 layers, width 64) with SmolLM2's tokenizer
-(vocabulary 49152: the tied embedding is most of its ~3.3M parameters), trained for a few hundred steps on a
-slice of the eval text and scored on a held-out slice. Storing the teacher's full distribution would take
-positions x 49152 x 4 bytes (~330 MB for 1,700 positions), so `teacher_topk` runs the teacher once and keeps only
-its top-k logits and their token ids per position; `distillation_loss` takes either form.
+Here: the teacher is SmolLM2-135M, the student a tiny Llama (2 layers, width 64) with SmolLM2's tokenizer. Its
+tied embedding (49152 x 64, ~95% of its parameters) is the PCA of SmolLM2's, frozen: a 1.7K-token training slice
+contains only ~700 distinct tokens, and a trained embedding would learn those alone. Storing the teacher's full
+distribution would take positions x 49152 x 4 bytes (~330 MB for 1,700 positions), so `teacher_topk` runs the
+teacher once and keeps its top-k logits, their token ids and one logit standing for the rest per position;
+`topk_distillation_loss` trains on that at the cost of plain cross-entropy.
+
+Measured on the 2,687-token eval text (held-out: the first 1,024 tokens; train: the other 1,663), 200 steps of
+4 x 64 tokens, seed 0, k = 64 (89.9% of the teacher's probability), windows of 64: held-out perplexity
+1116 (soft, T = 1, alpha = 1) vs 1553 (hard); the teacher 30.7, a unigram model of the training slice ~2500.
+The hard-label student overfits (in a 300-step run: 1337 after 100 steps, then worse), the soft one keeps
+improving. T = 2 is much worse here (~4400 after 300 steps): with a top-k teacher the dropped tokens are one
+flat tail, which at T = 2 holds most of the mass, so the student learns the tail instead of the top tokens.
 """
 from __future__ import annotations
 
@@ -26,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TopK", "distillation_loss", "topk_distillation_loss", "teacher_topk", "tiny_student", "pca_embedding", "DistillResult",
-           "train_student", "compare_soft_hard"]
+__all__ = ["TopK", "distillation_loss", "topk_distillation_loss", "teacher_topk", "tiny_student", "pca_embedding",
+           "DistillResult", "train_student", "compare_soft_hard"]
 
 
 @dataclass(slots=True)
@@ -155,7 +163,8 @@ def tiny_student(vocab_size: int = 49152, hidden_size: int = 64, num_layers: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=4 * hidden_size,
+                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                      intermediate_size=4 * hidden_size,
                       max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, rms_norm_eps=1e-5,
                       rope_theta=10000.0, initializer_range=0.02, attn_implementation="eager")
     with torch.random.fork_rng(devices=[]):
@@ -178,7 +187,7 @@ class DistillResult:
 
 
 def train_student(train_ids: Sequence[int], heldout_ids: Sequence[int], mode: Literal["soft", "hard"] = "soft",
-                  teacher: TopK | None = None, steps: int = 300, seed: int = 0, batch_size: int = 4,
+                  teacher: TopK | None = None, steps: int = 200, seed: int = 0, batch_size: int = 4,
                   seq_len: int = 64, lr: float = 1e-2, T: float = 1.0, alpha: float = 1.0,
                   embedding: Tensor | None = None, freeze_embedding: bool = False, eval_every: int | None = None,
                   **student_kw) -> DistillResult:
@@ -234,7 +243,7 @@ def train_student(train_ids: Sequence[int], heldout_ids: Sequence[int], mode: Li
 
 
 def compare_soft_hard(teacher: nn.Module, tokenizer, heldout_tokens: int = 1024, max_train_tokens: int | None = None,
-                      k: int = 64, steps: int = 300, seed: int = 0, embedding: Literal["pca", "random"] = "pca",
+                      k: int = 64, steps: int = 200, seed: int = 0, embedding: Literal["pca", "random"] = "pca",
                       **train_kw) -> dict:
     """Soft- vs hard-label students on the eval text: held-out = its first `heldout_tokens` tokens, train = the
     tokens after them (at most `max_train_tokens`). Both students start from the same weights and see the same

@@ -7,10 +7,22 @@
   |w|. Exactly 50% zeros in a fixed pattern that hardware understands (see `mask_2_4`).
 - **Structured pruning**: remove whole attention heads (`prune_heads`) or MLP intermediate channels
   (`prune_mlp_channels`). The matrices physically shrink, so every dense kernel gets faster and smaller, but a
-  whole channel is a coarse unit: quality drops fastest of the three at the same number of removed weights.
+  whole channel is a coarse unit, and which channels matter is hard to tell from the weights alone (below).
 
 Without retraining (all of this is one-shot, as here) the loss grows quickly with sparsity; in practice pruning
 is followed by a short fine-tune or distillation (`llmso_lab.quant.distill`) to recover.
+
+Measured on SmolLM2-135M (perplexity of the eval text's first 1,024 tokens, windows of 512; dense: 17.4):
+- unstructured, every linear but the tied head: 10% 17.1, 20% 18.8, 30% 28.6, 50% 639, 70% 40,430, 80% 5.6e6
+  (one-shot magnitude pruning of a small model; Wanda and SparseGPT, which use calibration data, are reported
+  to do much better at 50%);
+- 2:4 on every linear (also 50%): 1668, vs 639 unstructured -- the fixed pattern costs quality;
+- MLP channels, activation-aware (calibration: tokens 1024..1535, not the scored ones): 10% 21.8, 20% 28.6,
+  30% 46.9, 50% 184; weight-only importance: 10% already 7,762 (in 15 of the 30 layers its 10% cut includes
+  the channel with the largest activation-aware importance);
+- heads (least `head_importance` per KV group, every layer, physically removed): 1 of 3 per group (9 -> 6
+  heads) 141, 2 of 3 (9 -> 3) 7,514; one head zeroed in a single layer: 17.5..18.6.
+
 Weights W are [out, in] (nn.Linear's layout); "input dimension" = `in`, the one a dot product runs along.
 """
 from __future__ import annotations
@@ -172,7 +184,8 @@ def prune_heads(model: nn.Module, layer_idx: int, heads: Sequence[int]) -> Liter
     n_heads, group = attn.q_proj.out_features // d, attn.num_key_value_groups
     drop = set(int(h) for h in heads)
     if not drop <= set(range(n_heads)):
-        raise ValueError(f"heads {sorted(drop)} out of range: layer {layer_idx} has {n_heads} query heads (0..{n_heads - 1})")
+        raise ValueError(f"heads {sorted(drop)} out of range: layer {layer_idx} has {n_heads} query heads "
+                         f"(0..{n_heads - 1})")
     if len(drop) == n_heads:
         raise ValueError(f"cannot remove all {n_heads} heads of layer {layer_idx}; keep at least one")
     keep = [h for h in range(n_heads) if h not in drop]
@@ -281,7 +294,7 @@ def perplexity_sweep(model: nn.Module, token_ids: Sequence[int], prune: Callable
                      amounts: Sequence[float], window: int = 512) -> list[tuple[float, float]]:
     """[(amount, perplexity)] of `prune(copy, amount)` applied to a fresh deep copy of `model` for each amount
     (the input model is untouched). E.g. `perplexity_sweep(model, ids, prune_unstructured, [0, 0.3, 0.5])` or
-    `perplexity_sweep(model, ids, prune_mlp_channels, [0, 0.1, 0.2])`."""
+    `perplexity_sweep(model, ids, lambda m, f: prune_mlp_channels(m, f, calibration_ids), [0.1, 0.2])`."""
     from llmso_lab.quality import perplexity
 
     rows = []
