@@ -11,8 +11,8 @@ here instead of ~2 s):
 - `smoothquant`: W8A8 int8 (per-token activations, per-channel weights) without and with SmoothQuant, alpha swept;
   `fp8`: W8A8 in FP8 e4m3 / e5m2 (simulated: values cast, math in fp32).
 - `prune_unstructured` (magnitude, per matrix), `prune_2_4`, `prune_mlp` (structured: MLP channels removed).
-- `distill`: a tiny student trained 300 steps on the teacher's top-64 logits (KL, T = 2) vs on the text's tokens
-  (CE), same data, same seed; held-out perplexity (`llmso_lab.quant.distill.compare_soft_hard`).
+- `distill`: a tiny student trained 200 steps on the teacher's top-64 logits (+ one "rest" logit; KL at T = 1) vs on
+  the text's tokens (CE), same data, same seed; held-out perplexity (`llmso_lab.quant.distill.compare_soft_hard`).
 """
 from __future__ import annotations
 
@@ -81,10 +81,11 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
         row = {**row, "ppl": ppl(m), "seconds": round(time.perf_counter() - t0, 1)}
         tables.setdefault(table, []).append(row)
         del m
-    steps = distill_steps or (20 if quick else 300)
+    steps = distill_steps or (20 if quick else 200)
     d = compare_soft_hard(model, tok, heldout_tokens=1024, steps=steps, eval_every=max(1, steps // 6))
     distill = {
-        "steps": steps, "heldout_tokens": 1024, "k": 64, "T": 2.0, "student": "2-layer Llama, hidden 64, PCA-initialised tied embedding",
+        "steps": steps, "heldout_tokens": 1024, "train_tokens": d["train_tokens"], "k": 64, "T": 1.0, "alpha": 1.0,
+        "student": "2-layer Llama, hidden 64, tied embedding = PCA of SmolLM2's (frozen)",
         "teacher_ppl": round(d["teacher_ppl"], 3), "topk_mass": round(d["topk_mass"], 4),
         **{mode: {"heldout_ppl": round(d[mode].heldout_ppl, 3), "seconds": round(d[mode].seconds, 1),
                   "heldout_curve": [(s, round(p, 3)) for s, p in d[mode].heldout_curve],
