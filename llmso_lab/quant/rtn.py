@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize", "fake_quantize", "pack_bits", "unpack_bits", "QuantLinear",
-           "quantize_linears"]
+           "quantize_linears", "grid_params", "grid_codes", "grid_values"]
 
 
 @dataclass(slots=True)
@@ -50,6 +50,13 @@ class QuantizedTensor:
         return self.packed.numel() + 2 * self.scale.numel() * (1 if self.symmetric else 2)
 
 
+def _check(w: Tensor, bits: int) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be in 2..8, got {bits}")
+
+
 def _groups(w: Tensor, group_size: int | None, per_tensor: bool) -> tuple[Tensor, int]:
     """View W [out, in] as [out, n_groups, g] (per tensor: [1, 1, out * in])."""
     out_f, in_f = w.shape
@@ -66,23 +73,36 @@ def quantize(w: Tensor, bits: int = 4, *, group_size: int | None = None, per_ten
              symmetric: bool = True) -> QuantizedTensor:
     """RTN-quantize a weight [out, in]. `group_size=None`: one scale per output channel (row);
     `per_tensor=True`: one scale for the whole matrix."""
-    if w.dim() != 2:
-        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
-    if not 2 <= bits <= 8:
-        raise ValueError(f"bits must be in 2..8, got {bits}")
+    _check(w, bits)
     x, g = _groups(w.detach().float(), group_size, per_tensor)
-    if symmetric:
-        qmax = (1 << (bits - 1)) - 1
-        scale = (x.abs().amax(-1) / qmax).clamp_min(1e-12)                         # [out, G]
-        q = torch.clamp(torch.round(x / scale[..., None]), -qmax - 1, qmax) + (qmax + 1)
-        minimum = None
-    else:
-        lo, hi = x.amin(-1), x.amax(-1)
-        scale = ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-12)
-        q = torch.clamp(torch.round((x - lo[..., None]) / scale[..., None]), 0, (1 << bits) - 1)
-        minimum = lo
-    codes = q.to(torch.uint8).reshape(w.shape)
+    scale, minimum = grid_params(x, bits, symmetric)                                   # [out, G]
+    q = grid_codes(x, scale, minimum, bits)
+    codes = (q if minimum is not None else q + (1 << (bits - 1))).to(torch.uint8).reshape(w.shape)
     return QuantizedTensor(pack_bits(codes, bits), scale, minimum, bits, g, tuple(w.shape))
+
+
+def grid_params(x: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor | None]:
+    """The grid of the numbers along x's last dimension (one group): `(scale, minimum)`, each of shape
+    x.shape[:-1]; minimum is None when symmetric. The one home of the grid formula (RTN, AWQ, GPTQ use it)."""
+    if symmetric:
+        return (x.abs().amax(-1) / ((1 << (bits - 1)) - 1)).clamp_min(1e-12), None
+    lo, hi = x.amin(-1), x.amax(-1)
+    return ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-12), lo
+
+
+def grid_codes(x: Tensor, scale: Tensor, minimum: Tensor | None, bits: int) -> Tensor:
+    """Round x [..., g] to the nearest level of the grid (scale, minimum: shape x.shape[:-1]): integer-valued
+    float codes, signed in [-2^(b-1), 2^(b-1) - 1] when symmetric (minimum None), else in [0, 2^b - 1]."""
+    if minimum is None:
+        qmax = (1 << (bits - 1)) - 1
+        return torch.clamp(torch.round(x / scale[..., None]), -qmax - 1, qmax)
+    return torch.clamp(torch.round((x - minimum[..., None]) / scale[..., None]), 0, (1 << bits) - 1)
+
+
+def grid_values(q: Tensor, scale: Tensor, minimum: Tensor | None) -> Tensor:
+    """The numbers codes q [..., g] stand for: scale * q (+ minimum). `dequantize` computes exactly this."""
+    w = q * scale[..., None]
+    return w if minimum is None else w + minimum[..., None]
 
 
 def dequantize(qt: QuantizedTensor) -> Tensor:
@@ -90,15 +110,17 @@ def dequantize(qt: QuantizedTensor) -> Tensor:
     out_f, in_f = qt.shape
     q = qt.codes().float()
     q = q.reshape(1, 1, -1) if qt.scale.numel() == 1 and qt.group_size == out_f * in_f else q.reshape(out_f, -1, qt.group_size)
-    w = q * qt.scale[..., None]
-    if qt.minimum is not None:
-        w = w + qt.minimum[..., None]
-    return w.reshape(out_f, in_f)
+    return grid_values(q, qt.scale, qt.minimum).reshape(out_f, in_f)
 
 
-def fake_quantize(w: Tensor, bits: int = 4, **kw) -> Tensor:
-    """quantize then dequantize, in w's dtype: what the model computes with after weight-only quantization."""
-    return dequantize(quantize(w, bits, **kw)).to(w.dtype)
+def fake_quantize(w: Tensor, bits: int = 4, *, group_size: int | None = None, per_tensor: bool = False,
+                  symmetric: bool = True) -> Tensor:
+    """quantize then dequantize, in w's dtype: what the model computes with after weight-only quantization.
+    The same numbers as `dequantize(quantize(w, ...))`, without packing codes (AWQ's search calls it often)."""
+    _check(w, bits)
+    x, _ = _groups(w.detach().float(), group_size, per_tensor)
+    scale, minimum = grid_params(x, bits, symmetric)
+    return grid_values(grid_codes(x, scale, minimum, bits), scale, minimum).reshape(w.shape).to(w.dtype)
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
