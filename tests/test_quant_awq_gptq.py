@@ -215,41 +215,43 @@ def test_model_level_awq_and_gptq_on_a_tiny_model():
 
 @pytest.mark.slow
 def test_smollm2_awq_and_gptq_beat_rtn_in_perplexity():
-    """Calibrate on eval ids [2048:2560], score the first 1024 (window 512): disjoint. Symmetric group 64 is a
-    grid the checkpoint's own Q4_1 blocks (asymmetric, group 32) do not align with, so RTN loses something."""
+    """Score the eval text's first 1024 tokens (windows of 512); calibrate on tokens 1024.. (disjoint), in rows of
+    128. Asymmetric groups of 64: a grid the checkpoint's own Q4_1 blocks (asymmetric, groups of 32) do not align
+    with, so RTN loses something (at groups of 32, asymmetric 4-bit RTN gives the fp32 weights back exactly).
+    Measured (fp32 17.44): 4-bit RTN 24.1, AWQ 19.9; 3-bit RTN 135, AWQ 36, GPTQ 76. About 90 s on 2 idle cores."""
     from llmso_lab.models import load_model
     from llmso_lab.quality import eval_token_ids, perplexity
 
     model, tok = load_model("smollm2-135m")
     ids = eval_token_ids(tok)
-    scored, calib = ids[:1024], ids[2048:2560]
-    assert not set(range(0, 1024)) & set(range(2048, 2560))
+    scored, calib = ids[:1024], ids[1024:]                       # calibration: never scored
     mods = dict(model.named_modules())
     names = linear_names(model)
     orig = {n: mods[n].weight.detach().clone() for n in names}
+    kw = {"group_size": 64, "symmetric": False}
 
     def restore():
         for n in names:
             mods[n].weight.data.copy_(orig[n])
 
-    def rtn(bits):
-        for n in names:
-            mods[n].weight.data.copy_(fake_quantize(orig[n], bits, group_size=64, symmetric=True))
-
-    fp32 = perplexity(model, scored, 512)
-    ppl = {}
+    ppl, seconds = {}, {}
     for bits in (4, 3):
-        restore(), rtn(bits)
+        for n in names:
+            mods[n].weight.data.copy_(fake_quantize(orig[n], bits, **kw))
         ppl["rtn", bits] = perplexity(model, scored, 512)
         restore()
-        awq = awq_quantize_model(model, calib, bits=bits, group_size=64, symmetric=True)
+        t0 = time.perf_counter()
+        awq = awq_quantize_model(model, calib, bits, **kw, max_tokens=256, seq_len=128)
+        seconds["awq", bits] = time.perf_counter() - t0
         ppl["awq", bits] = perplexity(model, scored, 512)
-        assert all(r.loss <= r.rtn_loss for r in awq.values())
-    restore()
-    gptq_quantize_model(model, calib, bits=3, group_size=64, symmetric=True)
+        restore()
+        assert all(r.loss <= r.rtn_loss for r in awq.values())   # alpha = 0 is RTN: never worse on calibration
+    t0 = time.perf_counter()
+    gptq_quantize_model(model, calib, 3, **kw, percdamp=0.1, max_tokens=512, seq_len=128)
+    seconds["gptq", 3] = time.perf_counter() - t0
     ppl["gptq", 3] = perplexity(model, scored, 512)
     restore()
-    print(f"fp32 {fp32:.2f}", {f"{m}{b}": round(p, 2) for (m, b), p in ppl.items()})
-    for bits in (4, 3):
-        assert fp32 < ppl["awq", bits] < ppl["rtn", bits]
-    assert fp32 < ppl["gptq", 3] < ppl["rtn", 3]
+    print({f"{m}{b}": round(p, 2) for (m, b), p in ppl.items()}, {f"{m}{b}": round(t) for (m, b), t in seconds.items()})
+    assert ppl["awq", 4] < 0.9 * ppl["rtn", 4]
+    assert ppl["awq", 3] < 0.5 * ppl["rtn", 3]
+    assert ppl["gptq", 3] < 0.8 * ppl["rtn", 3]

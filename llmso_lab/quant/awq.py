@@ -22,10 +22,15 @@ What this module does, and how it differs from the reference implementation (llm
   RMSNorm weight for q/k/v and gate/up, v_proj for o_proj, up_proj for down_proj), which is how a real
   deployment keeps an integer kernel.
 - Simple variant: every linear is searched on its own, with inputs recorded from the unquantized (fp32) model
-  in one forward. The reference searches one s per group of linears that share an input (q/k/v; gate/up), so
+  in one forward (so q, k and v may get different s: folding them into the one norm that feeds all three would
+  need a shared s). The reference searches one s per group of linears that share an input (q/k/v; gate/up), so
   that it can be folded into the norm, measures the loss on the whole block's output, feeds each block the
   output of the already-quantized blocks before it, and follows the scale search with a weight-clipping search.
   None of that is done here.
+
+SmolLM2-135M, perplexity on the eval text's first 1024 tokens (fp32 17.44), calibrated on 256 other tokens,
+groups of 64: 4-bit asymmetric RTN 24.1 -> AWQ 19.9, symmetric 27.4 -> 21.8; 3-bit asymmetric 135 -> 36,
+symmetric 196 -> 123. The chosen alphas average about 0.3 (v_proj about 0.55, o_proj the lowest).
 """
 from __future__ import annotations
 

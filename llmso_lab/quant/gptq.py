@@ -32,6 +32,10 @@ keep that in check on SmolLM2: several rows rather than one long sequence (each 
 attention sink, whose keys and values every later token reads, and whose activations look like no other
 token's: calibrated on one sequence, GPTQ made the sink's q/k/v error 4-5x larger than RTN's and perplexity
 worse than RTN's), and more damping (percdamp 0.1 rather than the reference's 0.01).
+
+SmolLM2-135M, perplexity on the eval text's first 1024 tokens (fp32 17.44), 3-bit symmetric groups of 64
+(RTN 195.5): GPTQ calibrated on 1536 tokens as one sequence 368, in rows of 128 with percdamp 0.01 167, rows of
+128 with percdamp 0.1 110.
 """
 from __future__ import annotations
 
@@ -143,7 +147,7 @@ class GPTQResult:
 
 @torch.no_grad()
 def gptq_quantize_model(model: torch.nn.Module, calib_token_ids: Sequence[int], bits: int = 4,
-                        group_size: int | None = 64, symmetric: bool = True, percdamp: float = 0.01,
+                        group_size: int | None = 64, symmetric: bool = True, percdamp: float = 0.1,
                         blocksize: int = 128, skip: tuple[str, ...] = ("lm_head",),
                         max_tokens: int = 512, seq_len: int | None = 128) -> dict[str, GPTQResult]:
     """GPTQ every nn.Linear of a Hugging Face causal LM in place (fake quant: each weight becomes its dequantized
@@ -152,7 +156,9 @@ def gptq_quantize_model(model: torch.nn.Module, calib_token_ids: Sequence[int], 
     Simple variant: the inputs of all linears come from one forward of the unquantized model over
     `calib_token_ids[:max_tokens]` in rows of `seq_len` tokens (None: one sequence; see the module docstring for
     why rows), not sequentially through the quantized layers. The calibration ids must not overlap the text you
-    score. Returns {linear name: GPTQResult}.
+    score. `percdamp` defaults to 0.1, not the reference's 0.01: with a few hundred calibration tokens 0.01
+    overfits (SmolLM2, 3-bit asymmetric groups of 64, 512 tokens: perplexity 155 against RTN's 135; 0.1: 76).
+    Returns {linear name: GPTQResult}.
     """
     names = linear_names(model, skip)
     inputs = collect_linear_inputs(model, calib_token_ids, names, max_tokens, seq_len)
