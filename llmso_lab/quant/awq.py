@@ -28,9 +28,9 @@ What this module does, and how it differs from the reference implementation (llm
   output of the already-quantized blocks before it, and follows the scale search with a weight-clipping search.
   None of that is done here.
 
-SmolLM2-135M, perplexity on the eval text's first 1024 tokens (fp32 17.44), calibrated on 256 other tokens,
-groups of 64: 4-bit asymmetric RTN 24.1 -> AWQ 19.9, symmetric 27.4 -> 21.8; 3-bit asymmetric 135 -> 36,
-symmetric 196 -> 123. The chosen alphas average about 0.3 (v_proj about 0.55, o_proj the lowest).
+SmolLM2-135M, perplexity on the eval text's first 1024 tokens (fp32 17.44), calibrated on other tokens in rows
+of 128, groups of 64: 4-bit asymmetric RTN 24.1 -> AWQ 19.9, symmetric 27.4 -> 21.8; 3-bit asymmetric 135 -> 36,
+symmetric 196 -> 123 (256 calibration tokens for asymmetric, 512 for symmetric). The chosen alphas average about 0.3 (v_proj about 0.55, o_proj the lowest).
 """
 from __future__ import annotations
 
