@@ -135,6 +135,14 @@ def test_gptq_cholesky_equals_explicit_inverse(blocksize):
         assert not torch.equal(got, fake_quantize(w, bits, group_size=gs, symmetric=sym))   # not RTN
 
 
+def test_gptq_model_loss_from_the_hessian_is_the_output_error():
+    from llmso_lab.quant.gptq import _output_error
+
+    x, w = correlated_layer()
+    wq = fake_quantize(w, 3, group_size=32)
+    assert _output_error(gptq_hessian(x), w, wq) == pytest.approx(output_error(x, w, wq), rel=1e-4)
+
+
 def test_gptq_dead_columns_and_bad_shapes():
     x, w = correlated_layer(n=128, d_in=64, d_out=24)
     x[:, 5] = 0                                                  # an input channel never active
@@ -148,6 +156,21 @@ def test_gptq_dead_columns_and_bad_shapes():
 
 # ------------------------------------------------------------------------------------------- calibration
 
+def recorded_inputs(model, batch: list[list[int]], names) -> dict:
+    """Each linear's input in a plain forward of `batch`, recorded with forward hooks: [tokens, in]."""
+    seen, mods = {}, dict(model.named_modules())
+    hooks = [mods[n].register_forward_hook(
+        lambda mod, args, out, n=n: seen.__setitem__(n, args[0].detach().reshape(-1, args[0].shape[-1]).clone()))
+        for n in names]
+    try:
+        with torch.no_grad():
+            model(torch.tensor(batch))
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return seen
+
+
 def test_collect_linear_inputs_records_what_each_linear_sees():
     from llmso_lab.models import tiny_llama
 
@@ -155,21 +178,18 @@ def test_collect_linear_inputs_records_what_each_linear_sees():
     ids = list(range(3, 40))
     names = linear_names(model)
     assert "lm_head" not in names and all(n.endswith("_proj") for n in names)
-    seen = {}
-    hooks = [dict(model.named_modules())[n].register_forward_hook(
-        lambda mod, args, out, n=n: seen.__setitem__(n, args[0].detach().reshape(-1, args[0].shape[-1]).clone()))
-        for n in names]
-    with torch.no_grad():
-        model(torch.tensor([ids[:32]]))
-    for hk in hooks:
-        hk.remove()
     got = collect_linear_inputs(model, ids, max_tokens=32)
+    seen = recorded_inputs(model, [ids[:32]], names)
     assert list(got) == names
     for n in names:
         assert got[n].dtype == torch.float32 and got[n].shape == (32, dict(model.named_modules())[n].in_features)
-        torch.testing.assert_close(got[n], seen[n], atol=0, rtol=0)
+        assert torch.equal(got[n], seen[n])
     q, k = (n for n in names if n.endswith(("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj")))
     assert got[q] is got[k]                                      # one copy for linears fed the same tensor
+    o = next(n for n in names if n.endswith("o_proj"))          # its input (attention output) depends on context
+    rows = collect_linear_inputs(model, ids, [o], seq_len=16)[o]   # 37 ids: two rows of 16, one batch
+    assert torch.equal(rows, recorded_inputs(model, [ids[:16], ids[16:32]], [o])[o])
+    assert rows.shape == (32, 64) and not torch.allclose(rows[16:], got[o][16:])   # row 2 starts afresh
     x = got[names[0]]
     torch.testing.assert_close(input_hessian(x), x.T @ x)
     torch.testing.assert_close(gptq_hessian(x), 2 * x.T @ x / 32)
@@ -183,7 +203,7 @@ def test_model_level_awq_and_gptq_on_a_tiny_model():
     for quantize_model in (awq_quantize_model, gptq_quantize_model):
         model = tiny_llama()
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        results = quantize_model(model, ids, bits=4, group_size=32, symmetric=True)
+        results = quantize_model(model, ids, bits=4, group_size=32, symmetric=True, seq_len=32)   # 3 rows
         assert list(results) == linear_names(model)
         for n, p in model.named_parameters():
             changed = not torch.equal(p, before[n])
@@ -195,41 +215,43 @@ def test_model_level_awq_and_gptq_on_a_tiny_model():
 
 @pytest.mark.slow
 def test_smollm2_awq_and_gptq_beat_rtn_in_perplexity():
-    """Calibrate on eval ids [2048:2560], score the first 1024 (window 512): disjoint. Symmetric group 64 is a
-    grid the checkpoint's own Q4_1 blocks (asymmetric, group 32) do not align with, so RTN loses something."""
+    """Score the eval text's first 1024 tokens (windows of 512); calibrate on tokens 1024.. (disjoint), in rows of
+    128. Asymmetric groups of 64: a grid the checkpoint's own Q4_1 blocks (asymmetric, groups of 32) do not align
+    with, so RTN loses something (at groups of 32, asymmetric 4-bit RTN gives the fp32 weights back exactly).
+    Measured (fp32 17.44): 4-bit RTN 24.1, AWQ 19.9; 3-bit RTN 135, AWQ 36, GPTQ 76. About 90 s on 2 idle cores."""
     from llmso_lab.models import load_model
     from llmso_lab.quality import eval_token_ids, perplexity
 
     model, tok = load_model("smollm2-135m")
     ids = eval_token_ids(tok)
-    scored, calib = ids[:1024], ids[2048:2560]
-    assert not set(range(0, 1024)) & set(range(2048, 2560))
+    scored, calib = ids[:1024], ids[1024:]                       # calibration: never scored
     mods = dict(model.named_modules())
     names = linear_names(model)
     orig = {n: mods[n].weight.detach().clone() for n in names}
+    kw = {"group_size": 64, "symmetric": False}
 
     def restore():
         for n in names:
             mods[n].weight.data.copy_(orig[n])
 
-    def rtn(bits):
-        for n in names:
-            mods[n].weight.data.copy_(fake_quantize(orig[n], bits, group_size=64, symmetric=True))
-
-    fp32 = perplexity(model, scored, 512)
-    ppl = {}
+    ppl, seconds = {}, {}
     for bits in (4, 3):
-        restore(), rtn(bits)
+        for n in names:
+            mods[n].weight.data.copy_(fake_quantize(orig[n], bits, **kw))
         ppl["rtn", bits] = perplexity(model, scored, 512)
         restore()
-        awq = awq_quantize_model(model, calib, bits=bits, group_size=64, symmetric=True)
+        t0 = time.perf_counter()
+        awq = awq_quantize_model(model, calib, bits, **kw, max_tokens=256, seq_len=128)
+        seconds["awq", bits] = time.perf_counter() - t0
         ppl["awq", bits] = perplexity(model, scored, 512)
-        assert all(r.loss <= r.rtn_loss for r in awq.values())
-    restore()
-    gptq_quantize_model(model, calib, bits=3, group_size=64, symmetric=True)
+        restore()
+        assert all(r.loss <= r.rtn_loss for r in awq.values())   # alpha = 0 is RTN: never worse on calibration
+    t0 = time.perf_counter()
+    gptq_quantize_model(model, calib, 3, **kw, percdamp=0.1, max_tokens=512, seq_len=128)
+    seconds["gptq", 3] = time.perf_counter() - t0
     ppl["gptq", 3] = perplexity(model, scored, 512)
     restore()
-    print(f"fp32 {fp32:.2f}", {f"{m}{b}": round(p, 2) for (m, b), p in ppl.items()})
-    for bits in (4, 3):
-        assert fp32 < ppl["awq", bits] < ppl["rtn", bits]
-    assert fp32 < ppl["gptq", 3] < ppl["rtn", 3]
+    print({f"{m}{b}": round(p, 2) for (m, b), p in ppl.items()}, {f"{m}{b}": round(t) for (m, b), t in seconds.items()})
+    assert ppl["awq", 4] < 0.9 * ppl["rtn", 4]
+    assert ppl["awq", 3] < 0.5 * ppl["rtn", 3]
+    assert ppl["gptq", 3] < 0.8 * ppl["rtn", 3]

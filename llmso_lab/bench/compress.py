@@ -31,6 +31,7 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
     from llmso_lab.models import load_model
     from llmso_lab.quality import calibration_token_ids, eval_token_ids, perplexity
     from llmso_lab.quant.awq import awq_quantize_model
+    from llmso_lab.quant.calibration import linear_names
     from llmso_lab.quant.distill import compare_soft_hard
     from llmso_lab.quant.gptq import gptq_quantize_model
     from llmso_lab.quant.prune import prune_2_4, prune_mlp_channels, prune_unstructured
@@ -44,9 +45,9 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
     ppl = lambda m: round(perplexity(m, ids, window=512), 3)  # noqa: E731
 
     def rtn(m, bits, group, sym):
-        for name, lin in m.named_modules():
-            if hasattr(lin, "weight") and type(lin).__name__ == "Linear" and not name.endswith("lm_head"):
-                lin.weight.data.copy_(fake_quantize(lin.weight.data, bits, group_size=group, symmetric=sym))
+        mods = dict(m.named_modules())
+        for name in linear_names(m):
+            mods[name].weight.data.copy_(fake_quantize(mods[name].weight.data, bits, group_size=group, symmetric=sym))
 
     jobs = []   # (table, row, transform)
     bits_list = (8, 4, 3) if quick else (8, 4, 3, 2)

@@ -22,10 +22,15 @@ What this module does, and how it differs from the reference implementation (llm
   RMSNorm weight for q/k/v and gate/up, v_proj for o_proj, up_proj for down_proj), which is how a real
   deployment keeps an integer kernel.
 - Simple variant: every linear is searched on its own, with inputs recorded from the unquantized (fp32) model
-  in one forward. The reference searches one s per group of linears that share an input (q/k/v; gate/up), so
+  in one forward (so q, k and v may get different s: folding them into the one norm that feeds all three would
+  need a shared s). The reference searches one s per group of linears that share an input (q/k/v; gate/up), so
   that it can be folded into the norm, measures the loss on the whole block's output, feeds each block the
   output of the already-quantized blocks before it, and follows the scale search with a weight-clipping search.
   None of that is done here.
+
+SmolLM2-135M, perplexity on the eval text's first 1024 tokens (fp32 17.44), calibrated on other tokens in rows
+of 128, groups of 64: 4-bit asymmetric RTN 24.1 -> AWQ 19.9, symmetric 27.4 -> 21.8; 3-bit asymmetric 135 -> 36,
+symmetric 196 -> 123 (256 calibration tokens for asymmetric, 512 for symmetric). The chosen alphas average about 0.3 (v_proj about 0.55, o_proj the lowest).
 """
 from __future__ import annotations
 
@@ -101,13 +106,14 @@ def awq_search(w: Tensor, x: Tensor, bits: int = 4, group_size: int | None = 64,
 def awq_quantize_model(model: torch.nn.Module, calib_token_ids: Sequence[int], bits: int = 4,
                        group_size: int | None = 64, symmetric: bool = True, grid: int = 20,
                        skip: tuple[str, ...] = ("lm_head",), max_tokens: int = 512,
-                       seq_len: int | None = None) -> dict[str, AWQResult]:
+                       seq_len: int | None = 128) -> dict[str, AWQResult]:
     """AWQ every nn.Linear of a Hugging Face causal LM in place (fake quant: each weight becomes Q(W * s) / s in
     its own dtype), except names ending in `skip` (lm_head, tied with the embedding, by default).
 
     Simple variant: the inputs of all linears are recorded in one forward of the unquantized model over
-    `calib_token_ids[:max_tokens]`, and each linear is searched on its own (see the module docstring).
-    The calibration ids must not overlap the text you score. Returns {linear name: AWQResult}.
+    `calib_token_ids[:max_tokens]` (in rows of `seq_len` tokens, see `collect_linear_inputs`; None: one
+    sequence), and each linear is searched on its own (see the module docstring). The calibration ids must not
+    overlap the text you score. Returns {linear name: AWQResult}.
     """
     names = linear_names(model, skip)
     inputs = collect_linear_inputs(model, calib_token_ids, names, max_tokens, seq_len)
@@ -129,7 +135,7 @@ def awq_best_scales(w: Tensor, x: Tensor, bits: int = 4, group_size: int | None 
 
 @torch.no_grad()
 def awq_fold_for_engine(model: torch.nn.Module, calib_token_ids: Sequence[int], bits: int = 4, group_size: int = 32,
-                        grid: int = 20, max_tokens: int = 512) -> torch.nn.Module:
+                        grid: int = 20, max_tokens: int = 512, seq_len: int | None = 128) -> torch.nn.Module:
     """AWQ as a deployed model is: scales folded into the weights, so that plain RTN of the result *is* the AWQ
     quantization and the engine's int4 kernels (`LLM(quantization="int4")`, asymmetric) run it unchanged.
 
@@ -140,11 +146,12 @@ def awq_fold_for_engine(model: torch.nn.Module, calib_token_ids: Sequence[int], 
     - down reads silu(gate) * up: up_proj's output rows /= s, down_proj's input columns *= s.
     o_proj is left alone: its input channels come from V heads that several query heads share (GQA), so one
     scale per channel cannot be folded into v_proj (AutoAWQ skips it for GQA models too). The lm_head stays.
-    Inputs come from one forward of the unmodified model over `calib_token_ids[:max_tokens]`. Returns `model`.
+    Inputs come from one forward of the unmodified model over `calib_token_ids[:max_tokens]` in rows of `seq_len`
+    (see `collect_linear_inputs`). Returns `model`.
     """
     layers = model.model.layers
     names = [f"model.layers.{i}.{p}" for i in range(len(layers)) for p in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj")]
-    inputs = collect_linear_inputs(model, calib_token_ids, names, max_tokens)
+    inputs = collect_linear_inputs(model, calib_token_ids, names, max_tokens, seq_len)
     for i, layer in enumerate(layers):
         at, mlp = layer.self_attn, layer.mlp
         for key, prev, linears in ((f"model.layers.{i}.self_attn.q_proj", layer.input_layernorm, (at.q_proj, at.k_proj, at.v_proj)),

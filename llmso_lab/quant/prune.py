@@ -33,6 +33,8 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 from torch import Tensor, nn
 
+from llmso_lab.quant.calibration import linear_names
+
 __all__ = ["magnitude_mask", "prune_unstructured", "mask_2_4", "is_2_4", "prune_2_4", "linear_sparsity",
            "head_importance", "prune_heads", "prune_heads_by_importance", "mlp_channel_importance",
            "mlp_activations", "prune_mlp_channels", "perplexity_sweep"]
@@ -54,9 +56,8 @@ def magnitude_mask(w: Tensor, sparsity: float) -> Tensor:
 
 
 def _linears(model: nn.Module, skip: Sequence[str]) -> Iterator[tuple[str, nn.Linear]]:
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and not name.endswith(tuple(skip)):
-            yield name, mod
+    mods = dict(model.named_modules())
+    return ((name, mods[name]) for name in linear_names(model, tuple(skip)))
 
 
 @torch.no_grad()
