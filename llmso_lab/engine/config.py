@@ -14,6 +14,7 @@ from llmso_lab.engine.attention import ATTENTION_BACKENDS
 from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block
 from llmso_lab.kv.block_manager import PREFIX_CACHING_ALGOS, cdiv
 from llmso_lab.policies import POLICIES
+from llmso_lab.spec.config import SpeculativeConfig
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -43,7 +44,10 @@ class EngineConfig:
     share_kv_blocks: bool = True              # n > 1 / beams share blocks copy-on-write; False: each its own copy
     dtype: str = "float32"                    # "auto" | "float32" | "bfloat16" | "float16" (vLLM's --dtype)
     quantization: str | None = None           # weight-only: "int8" (per channel) | "int4" (group 32) | "int4-g64"
+    speculative_config: dict | None = None    # {"method": "ngram" | "draft_model" | ..., "num_speculative_tokens": k, ...}
     quantization_group_size: int = field(default=0, init=False)         # int4's group, parsed from `quantization`
+    spec: SpeculativeConfig | None = field(default=None, init=False)    # `speculative_config`, checked
+    num_speculative_tokens: int = field(default=0, init=False)          # k (0: no speculative decoding)
     torch_dtype: torch.dtype | None = field(default=None, init=False)   # what `dtype` resolved to
     dtype_reason: str = field(default="", init=False)                   # why (for "auto": what was detected)
 
@@ -60,6 +64,12 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: auto, {', '.join(DTYPES)}")
         if self.quantization is not None:
             self.quantization, self.quantization_group_size = parse_quantization(self.quantization)
+        if self.speculative_config is not None:
+            self.spec = SpeculativeConfig.from_dict(self.speculative_config)
+            self.num_speculative_tokens = self.spec.num_speculative_tokens
+            if self.batching != "continuous":
+                raise ValueError("speculative_config needs batching='continuous' (a sequence advances by a different "
+                                 "number of tokens each step)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")

@@ -5,6 +5,7 @@ import time
 from typing import Callable
 
 import torch
+from torch import Tensor
 
 from llmso_lab.engine.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from llmso_lab.engine.config import EngineConfig
@@ -59,7 +60,7 @@ class LLM:
                  swap_space_blocks: int | None = None, attention_backend: str = "torch", seed: int = 0,
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
                  dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, prefix_caching_algo: str = "hash",
-                 quantization: str | None = None,
+                 quantization: str | None = None, speculative_config: dict | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -69,7 +70,7 @@ class LLM:
             preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
             seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging,
             dtype=dtype, share_kv_blocks=share_kv_blocks, prefix_caching_algo=prefix_caching_algo,
-            quantization=quantization)
+            quantization=quantization, speculative_config=speculative_config)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
@@ -79,6 +80,12 @@ class LLM:
         self.block_manager = self.scheduler.block_manager
         self.model_runner = ModelRunner(self.model, c)
         self.sampler = Sampler()
+        self.drafter = None
+        if c.spec is not None:
+            from llmso_lab.spec.drafters import make_drafter
+            self.drafter = make_drafter(c.spec, c, self.model_runner.vocab_size)
+        self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.draft_probs: dict[int, Tensor] = {}   # this step's draft distributions (sampled drafts only)
         self.num_requests = self.num_seqs = self.num_steps = self.num_finished = 0
         self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
         self.busy_time_s, self.peak_blocks_used = 0.0, 0
@@ -172,6 +179,8 @@ class LLM:
         trace.num_free_blocks_before = self.block_manager.num_free_blocks
         # 3. admit under the token budget (decodes first, then prefill chunks), preempting if blocks run out
         out = self.scheduler.schedule()
+        if self.drafter is not None:
+            self._propose(out)
         self._trace_schedule(trace, out)
         # 4. one forward over the flattened batch; sample; append
         self._execute(out)
@@ -189,23 +198,39 @@ class LLM:
         self.model_runner.swap_out(out.blocks_to_swap_out)   # before the forward overwrites those blocks
         self.model_runner.swap_in(out.blocks_to_swap_in)
         self.model_runner.copy_blocks(out.blocks_to_copy)    # copy-on-write, after the swaps freed and filled blocks
+        if self.drafter is not None:
+            self.drafter.copy_blocks(out.blocks_to_copy)
         if not out.scheduled:
             return
         logits = self.model_runner.execute(out)              # [rows, V]: sampling sequences (+ idle static rows)
-        rows = [item for item in out.scheduled if item.sample or item.idle]
-        sampling = [(r, item.seq) for r, item in enumerate(rows) if item.sample]
+        sampling, spec, row = [], [], 0   # (logits row, seq); (first row, item): a speculative decode's s + 1 rows
+        for item in out.scheduled:
+            if item.spec_token_ids:
+                spec.append((row, item))
+                row += 1 + len(item.spec_token_ids)
+            elif item.sample or item.idle:
+                if item.sample:
+                    sampling.append((row, item.seq))
+                row += 1
         beams = [seq for r, seq in sampling if seq.beam is not None]
         for r, seq in sampling:   # a beam's next-token log-probs wait for the rest of its group (`_beam_step`)
             if seq.beam is not None:
                 seq.beam.pending[seq.seq_id] = logits[r].float().cpu().log_softmax(-1)
         sampling = [(r, seq) for r, seq in sampling if seq.beam is None]
-        if len(sampling) < len(rows):
+        spec_emitted = {item.seq.seq_id: self._verify(item, logits[r:r + 1 + len(item.spec_token_ids)]) for r, item in spec}
+        if spec or len(sampling) < row:
             logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
         seqs = [seq for _, seq in sampling]
         tokens = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs]) if seqs else []
+        sampled: dict[int, int | list[int]] = {s.seq_id: t for s, t in zip(seqs, tokens)}
+        for item in out.scheduled:   # a decode that reserved draft slots but got no draft: one token, as a list
+            if item.num_lookahead and not item.spec_token_ids:
+                sampled[item.seq.seq_id] = [sampled[item.seq.seq_id]]
+        sampled.update(spec_emitted)
         now = self.clock()
-        self.scheduler.update(out, {s.seq_id: t for s, t in zip(seqs, tokens)}, now)
-        self.num_generated_tokens += len(tokens)
+        before = {item.seq.seq_id: item.seq.num_tokens for _, item in spec}
+        self.scheduler.update(out, sampled, now)
+        self.num_generated_tokens += len(tokens) + sum(item.seq.num_tokens - before[item.seq.seq_id] for _, item in spec)
         for r, seq in enumerate(seqs):   # n > 1: the request's first token is sampled; fork the other samples
             for i in range(1, seq.num_pending_forks + 1):
                 child = self._fork(seq, i, seq.seed + i)
@@ -216,6 +241,41 @@ class LLM:
         for group in {seq.beam.request_id: seq.beam for seq in beams}.values():
             if group.ready():
                 self._beam_step(group, now)
+
+    # ---- speculative decoding ------------------------------------------------------------------
+    def _propose(self, out: SchedulerOutput) -> None:
+        """Ask the drafter for tokens to fill each decode's reserved slots; the target verifies them in this step's
+        forward. Decodes with drafts become multi-token rows, so the one-token rows are put first again."""
+        items = [item for item in out.scheduled if item.num_lookahead]
+        self.draft_probs = {}
+        for item, (tokens, q) in zip(items, self.drafter.propose(items) if items else []):
+            item.spec_token_ids = list(tokens[:item.num_lookahead])
+            item.num_new_tokens = 1 + len(item.spec_token_ids)
+            if q is not None:
+                self.draft_probs[item.seq.seq_id] = q
+        out.scheduled.sort(key=lambda item: item.num_query_tokens > 1)
+        out.num_decodes = sum(item.num_query_tokens == 1 for item in out.scheduled)
+
+    def _verify(self, item, logits: Tensor) -> list[int]:
+        """The tokens a speculative decode emits: its accepted drafts, then one from the target (a correction at
+        the first rejection, or the bonus token after all). `logits` [s + 1, V]: the target at the last token and
+        at each draft. Greedy: the longest run of drafts equal to the target's argmax; sampling: rejection
+        sampling, so the emitted tokens are distributed exactly as the target's own samples."""
+        from llmso_lab.spec.verify import greedy_verify, speculative_verify, target_probs
+        seq, drafts = item.seq, item.spec_token_ids
+        params = seq.sampling_params
+        if params.greedy:
+            emitted = greedy_verify(logits.argmax(-1).tolist(), drafts)
+        else:
+            p = target_probs(logits.float().cpu(), params)
+            q = self.draft_probs.get(seq.seq_id)
+            if q is None:   # one-hot drafts (n-gram lookup, greedy drafting)
+                q = torch.zeros(len(drafts), p.shape[-1]).scatter_(1, torch.tensor(drafts)[:, None], 1.0)
+            emitted = speculative_verify(p, q, drafts, seq.generator)
+        self.num_spec_steps += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(emitted) - 1
+        return emitted
 
     def _trace_schedule(self, trace: StepTrace, out: SchedulerOutput) -> None:
         for item in out.scheduled:
@@ -398,7 +458,18 @@ class LLM:
             "num_prompt_tokens": self.num_prompt_tokens, "num_generated_tokens": self.num_generated_tokens,
             "num_computed_tokens": self.num_computed_tokens, "num_padded_tokens": self.num_padded_tokens,
             "busy_time_s": busy, "throughput_tokens_per_s": self.num_generated_tokens / busy if busy else 0.0,
+            **self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict:
+        """vLLM's speculative-decoding metrics: drafts proposed and accepted, the acceptance rate, and the mean
+        accepted length = tokens emitted per verification step (accepted drafts + the target's own token)."""
+        if self.drafter is None:
+            return {}
+        steps, drafted, accepted = self.num_spec_steps, self.num_draft_tokens, self.num_accepted_tokens
+        return {"spec_num_steps": steps, "spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
+                "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
 
 
 def _resolve_model(model, tokenizer):

@@ -46,6 +46,22 @@ class LayerWeights:
     mla: MLAWeights | None = None  # DeepSeek MLA attention instead of qkv / o
 
 
+@dataclass(slots=True)
+class BatchRow:
+    """One sequence's part of a forward: `token_ids` computed at positions start.. (their K/V written through
+    `block_table`), `num_pad` padding tokens after them (static batching), logits for the last `num_logits`."""
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    num_logits: int = 1
+    num_pad: int = 0
+    idle: bool = False     # static batching: a finished row, computed on one padding token
+
+    @property
+    def num_query_tokens(self) -> int:
+        return 1 if self.idle else len(self.token_ids) + self.num_pad
+
+
 def _cat(*ts: Tensor | None) -> Tensor | None:
     return None if ts[0] is None else torch.cat([t.detach() for t in ts]).contiguous()
 
@@ -190,32 +206,39 @@ class ModelRunner:
 
     # ---- batch construction ------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """Flatten the scheduled sequences into one varlen batch (the scheduler put the one-token rows first)."""
+        """Flatten the scheduled sequences into one varlen batch (the scheduler put the one-token rows first).
+        A speculative decode row computes its last token and its draft tokens, and returns logits at all of them."""
+        rows = []
+        for item in out.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            if item.idle:   # static batching: a finished row is still computed, on a padding token
+                rows.append(BatchRow([], start, seq.block_table, 1, 1, idle=True))
+            else:
+                tokens = seq.token_ids[start:start + item.num_new_tokens - len(item.spec_token_ids)] + item.spec_token_ids
+                logits = (1 + len(item.spec_token_ids)) if item.sample else 0
+                rows.append(BatchRow(tokens, start, seq.block_table, logits, item.num_pad_tokens))
+        return self.prepare_rows(rows, out.num_decodes)
+
+    def prepare_rows(self, rows: list[BatchRow], num_decodes: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """The varlen batch for `rows` (the first `num_decodes` of them one token each): input ids, positions,
+        attention metadata, and the indices of the tokens whose logits `forward` returns."""
         bs, null_slot = self.block_size, self.null_block * self.block_size
         ids, pos, slots, logit_rows = [], [], [], []
         starts, qlens, ctxs, tables = [], [], [], []
-        for item in out.scheduled:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            if item.idle:   # static batching: a finished row is still computed, on a padding token
-                ctx, new, pad = start, [], 1
-            else:
-                ctx, pad = start + item.num_new_tokens, item.num_pad_tokens
-                new = range(start, ctx)
-                ids += seq.token_ids[start:ctx]
-                pos += new
-                table = seq.block_table
-                slots += [table[p // bs] * bs + p % bs for p in new]
-            ids += [0] * pad
-            pos += [0] * pad
-            slots += [null_slot] * pad
-            if item.sample or item.idle:   # logits of the last real token (idle rows: computed, then ignored)
-                logit_rows.append(len(ids) - 1 - (0 if item.idle else pad))
+        for row in rows:
+            start, table = row.start, row.block_table
+            ctx = start + len(row.token_ids)
+            new = range(start, ctx)
+            ids += row.token_ids + [0] * row.num_pad
+            pos += list(new) + [0] * row.num_pad
+            slots += [table[p // bs] * bs + p % bs for p in new] + [null_slot] * row.num_pad
+            last = len(ids) - 1 - (0 if row.idle else row.num_pad)
+            logit_rows += range(last - row.num_logits + 1, last + 1)   # the last real tokens (idle: the padding)
             starts.append(start)
-            qlens.append(item.num_query_tokens)
+            qlens.append(row.num_query_tokens)
             ctxs.append(ctx)
-            tables.append(seq.block_table[:-(-ctx // bs)])
-        assert all(q == 1 for q in qlens[:out.num_decodes]), "the decode rows must come first"
+            tables.append(table[:-(-ctx // bs)])
+        assert all(q == 1 for q in qlens[:num_decodes]), "the decode rows must come first"
         width = max(map(len, tables))
         i32, i64, dev = torch.int32, torch.int64, self.device
         block_tables = torch.tensor([t + [self.null_block] * (width - len(t)) for t in tables], dtype=i32, device=dev)
@@ -224,7 +247,7 @@ class ModelRunner:
             context_lens=torch.tensor(ctxs, dtype=i32, device=dev),
             cu_seqlens_q=torch.tensor([0] + qlens, dtype=i32, device=dev).cumsum(0, dtype=i32),
             cu_seqlens_k=torch.tensor([0] + ctxs, dtype=i32, device=dev).cumsum(0, dtype=i32),
-            num_decodes=out.num_decodes, max_seqlen_q=max(qlens), max_seqlen_k=max(ctxs),
+            num_decodes=num_decodes, max_seqlen_q=max(qlens), max_seqlen_k=max(ctxs),
             start_positions=starts, query_lens=qlens, context_lens_host=ctxs)
         return (torch.tensor(ids, dtype=i64, device=dev), torch.tensor(pos, dtype=i64, device=dev), meta,
                 torch.tensor(logit_rows, dtype=i64, device=dev))

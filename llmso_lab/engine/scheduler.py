@@ -38,6 +38,8 @@ class ScheduledSeq:
     num_new_tokens: int        # real tokens computed this step; their K/V goes into the cache
     num_pad_tokens: int = 0    # static/dynamic: padding up to the longest prompt, computed and discarded
     idle: bool = False         # static/dynamic: a finished row that still occupies (and costs) its slot
+    num_lookahead: int = 0     # speculative decoding: KV slots reserved for draft tokens after the last token
+    spec_token_ids: list[int] = field(default_factory=list)   # the drafts proposed into them (counted in num_new_tokens)
 
     @property
     def num_query_tokens(self) -> int:
@@ -46,7 +48,8 @@ class ScheduledSeq:
     @property
     def sample(self) -> bool:
         """Does this step reach the end of the sequence's tokens (so a new token is sampled)?"""
-        return not self.idle and self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return (not self.idle and
+                self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens)
 
 
 @dataclass(slots=True)
@@ -127,15 +130,16 @@ class Scheduler:
             n = self._chunk(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 continue
-            while not bm.may_append(seq, n):
+            lookahead = min(self._lookahead(seq), budget - n) if not seq.is_prefill else 0
+            while not bm.may_append(seq, n + lookahead):
                 victim = self.policy.victim(self.running, now)
                 budget += self._preempt(victim, sched, out)
                 if victim is seq:
                     break
             else:
-                out.blocks_to_copy += bm.append_slot(seq, n)
-                sched[seq.seq_id] = ScheduledSeq(seq, n)
-                budget -= n
+                out.blocks_to_copy += bm.append_slot(seq, n + lookahead)
+                sched[seq.seq_id] = ScheduledSeq(seq, n, num_lookahead=lookahead)
+                budget -= n + lookahead
         # (b) bring back swapped sequences, then admit waiting ones; neither in a step that had to preempt,
         # and no new request while a swapped one is still out (vLLM: swapped sequences come back first)
         if not out.preempted:
@@ -164,6 +168,15 @@ class Scheduler:
         out.scheduled = sorted(sched.values(), key=lambda item: item.num_query_tokens > 1)   # decodes first
         out.num_decodes = sum(item.num_query_tokens == 1 for item in out.scheduled)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+
+    def _lookahead(self, seq: Sequence) -> int:
+        """Speculative decoding: draft slots for a decoding `seq` — num_speculative_tokens, fewer near its
+        max_tokens or max_model_len (drafts past them could never be used); none for beams."""
+        k = self.config.num_speculative_tokens
+        if not k or seq.beam is not None:
+            return 0
+        return max(0, min(k, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                          self.config.max_model_len - seq.num_tokens))
 
     def _start_running(self, seq: Sequence, n: int, sched: dict[int, ScheduledSeq]) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -219,16 +232,36 @@ class Scheduler:
             out.num_decodes = len(out.scheduled)
 
     # ---- after the forward -----------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[int, int], now: float) -> None:
-        """Record what the forward computed, append sampled tokens, mark finished sequences."""
+    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]], now: float) -> None:
+        """Record what the forward computed, append sampled tokens (a list per speculative decode), mark finished
+        sequences."""
         for item in out.scheduled:
             if item.idle:
                 continue
             seq = item.seq
+            if item.num_lookahead:   # speculative: the last token, then one more per accepted draft
+                self._update_speculative(item, sampled[seq.seq_id], now)
+                continue
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             if seq.seq_id in sampled:
                 self.append_token(seq, sampled[seq.seq_id], now)
+
+    def _update_speculative(self, item: ScheduledSeq, emitted: list[int], now: float) -> None:
+        """A speculative decode emitted `emitted` (the accepted drafts, then one token from the target). The K/V
+        of the last token and of each accepted draft is valid; the slots of rejected drafts are rolled back: the
+        sequence's computed length stops before them (they are overwritten later) and the blocks only they
+        used are freed. Tokens after a stop (EOS, max_tokens) are dropped."""
+        seq = item.seq
+        seq.num_computed_tokens += 1
+        for j, token in enumerate(emitted):
+            if j:
+                seq.num_computed_tokens += 1     # draft j - 1 was accepted: its K/V (computed this step) is right
+            self.append_token(seq, token, now)
+            if seq.is_finished:
+                break
+        self.block_manager.trim(seq)
+        self.block_manager.cache_full_blocks(seq)
 
     def append_token(self, seq: Sequence, token_id: int, now: float) -> None:
         seq.append_token(token_id, now)

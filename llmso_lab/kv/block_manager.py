@@ -300,6 +300,15 @@ class BlockManager:
         self.num_cow_copies += len(copies)
         return copies
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past `seq`'s computed tokens (speculative decoding: blocks that only rejected draft
+        tokens were written to). They were taken for this step, so nothing else holds or caches them."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            assert self.blocks[block_id].ref_count == 1 and not self._is_cached(block_id), f"block {block_id} is shared"
+            self._release(block_id)
+
     def fork(self, parent: Sequence, child: Sequence, share: bool = True) -> list[tuple[int, int]]:
         """`child` (holding no blocks) continues from `parent`'s computed tokens. share=True: it holds the same
         blocks (ref_count += 1); a later write into a shared block copies it then (`append_slot`).

@@ -1,0 +1,123 @@
+"""Drafters: what proposes the k tokens the target verifies (lecture 2-1). Each one implements
+
+    propose(items) -> [(draft token ids, draft probabilities [s, V] or None), ...]   one pair per scheduled item
+
+where an item (`ScheduledSeq`) is a decoding sequence with `num_lookahead` KV slots reserved after its last
+token; a drafter may propose fewer tokens (s <= num_lookahead), or none. Probabilities None mean one-hot drafts
+(the drafter is certain, q(d) = 1), which is what greedy drafting and n-gram lookup give.
+
+- `NgramDrafter`: prompt lookup in the sequence's own tokens (`ngram.ngram_propose`).
+- `DraftModelDrafter`: a smaller model with the same tokenizer runs k steps ahead. It runs in the engine's own
+  model runner, with its own paged KV cache indexed by the *same* block tables as the target's (vLLM does the
+  same): the draft's K/V for a token lives in the slot where the target keeps its own. It catches up on the tokens
+  it has not seen (the whole prompt at first, then the 1-2 tokens each step emits past its drafts), then proposes.
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from llmso_lab.spec.ngram import ngram_propose
+
+if TYPE_CHECKING:
+    from llmso_lab.engine.config import EngineConfig
+    from llmso_lab.engine.scheduler import ScheduledSeq
+    from llmso_lab.spec.config import SpeculativeConfig
+
+Proposal = tuple[list[int], "Tensor | None"]
+
+
+class NgramDrafter:
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        self.n_min, self.n_max = spec.prompt_lookup_min, spec.prompt_lookup_max
+
+    def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
+        return [(ngram_propose(item.seq.token_ids, item.num_lookahead, self.n_min, self.n_max), None) for item in items]
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        pass
+
+
+def draw(logits: Tensor, params, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
+    """One draft token from fp32 logits [V] and the distribution it came from (None when greedy: one-hot)."""
+    from llmso_lab.spec.verify import target_probs
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = target_probs(logits[None].cpu(), params)[0]
+    return int(torch.multinomial(q, 1, generator=generator)), q
+
+
+class DraftModelDrafter:
+    """A draft model run by a second `ModelRunner` (its KV cache indexed by the target's block tables)."""
+
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target_vocab_size: int) -> None:
+        from llmso_lab.engine.config import parse_quantization
+        from llmso_lab.engine.llm import _resolve_model
+        from llmso_lab.engine.model_runner import ModelRunner, check_model_config
+
+        model, _ = _resolve_model(spec.model, None)
+        check_model_config(model.config)
+        if model.config.vocab_size != target_vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({model.config.vocab_size}) differs from the target's "
+                             f"({target_vocab_size}): a draft must share the target's tokenizer")
+        if model.config.max_position_embeddings < config.max_model_len:
+            raise ValueError(f"the draft model handles {model.config.max_position_embeddings} positions, fewer than "
+                             f"max_model_len={config.max_model_len}; lower max_model_len")
+        draft_config = copy.copy(config)          # same blocks, block size, dtype and attention backend
+        draft_config.quantization, draft_config.quantization_group_size = (
+            parse_quantization(spec.quantization) if spec.quantization else (None, 0))
+        self.runner = ModelRunner(model, draft_config)
+        self.model = model
+        self.computed: dict[int, tuple[int, int]] = {}   # seq_id -> (its num_preemptions, tokens with draft K/V)
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(mapping)   # copy-on-write copies the draft's K/V along with the target's
+
+    def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
+        from llmso_lab.engine.model_runner import BatchRow
+        tokens: list[list[int]] = [[] for _ in items]
+        probs: list[list[Tensor]] = [[] for _ in items]
+        live = [i for i, item in enumerate(items) if item.num_lookahead > 0]
+        if not live:
+            return [([], None) for _ in items]
+        # Catch up: the tokens whose draft K/V is missing (after a preemption or a new admission: all of them;
+        # the draft K/V of rejected drafts is past seq.num_computed_tokens and is simply recomputed).
+        rows = []
+        for i in live:
+            seq = items[i].seq
+            nprem, done = self.computed.get(seq.seq_id, (seq.num_preemptions, 0))
+            done = 0 if nprem != seq.num_preemptions else min(done, seq.num_computed_tokens)
+            rows.append(BatchRow(seq.token_ids[done:], done, seq.block_table))
+        step = 0
+        while live:
+            order = sorted(range(len(rows)), key=lambda r: len(rows[r].token_ids) > 1)   # one-token rows first
+            num_decodes = sum(len(rows[r].token_ids) == 1 for r in order)
+            logits = self.runner.forward(*self.runner.prepare_rows([rows[r] for r in order], num_decodes))
+            next_live, next_rows = [], []
+            for j, r in enumerate(order):
+                i, seq = live[r], items[live[r]].seq
+                token, q = draw(logits[j], seq.sampling_params, seq.generator)
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+                position = rows[r].start + len(rows[r].token_ids)          # where the drafted token goes
+                self.computed[seq.seq_id] = (seq.num_preemptions, position)
+                if step + 1 < items[i].num_lookahead:
+                    next_live.append(i)
+                    next_rows.append(BatchRow([token], position, seq.block_table))
+            live, rows, step = next_live, next_rows, step + 1
+        return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def forget(self, seq_id: int) -> None:
+        self.computed.pop(seq_id, None)
+
+
+def make_drafter(spec: SpeculativeConfig, config: EngineConfig, target_vocab_size: int):
+    if spec.method == "ngram":
+        return NgramDrafter(spec)
+    if spec.method == "draft_model":
+        return DraftModelDrafter(spec, config, target_vocab_size)
+    raise ValueError(f"speculative method {spec.method!r} is not available yet; use 'ngram' or 'draft_model'")
