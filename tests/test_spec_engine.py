@@ -10,9 +10,28 @@ import torch
 
 from llmso_lab.engine import LLM, SamplingParams
 from llmso_lab.models import tiny_llama
+from llmso_lab.spec.heads import EagleHead, MedusaHeads
 
 TARGET = tiny_llama(num_layers=2, hidden_size=64, seed=0)
 DRAFT = tiny_llama(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, seed=1)   # same vocabulary, another model
+
+
+def heads(kind: str, target=TARGET, seed: int = 0):
+    """Untrained heads (random, seeded): acceptance is low, but outputs must still equal plain decoding."""
+    torch.manual_seed(seed)
+    if kind == "medusa":
+        h = MedusaHeads(target.config.hidden_size, 3)
+        for lin in h.res:
+            torch.nn.init.normal_(lin.weight, std=0.05)
+        return h
+    return EagleHead(target.config, intermediate_size=64)
+
+
+def spec_for(method: str, k: int = 3, target=TARGET) -> dict:
+    extra = {"ngram": {"prompt_lookup_min": 1}, "draft_model": {"model": DRAFT if target is TARGET else
+                                                                 tiny_llama(vocab_size=16, num_layers=1, seed=4)},
+             "medusa": {"model": heads("medusa", target)}, "eagle": {"model": heads("eagle", target)}}[method]
+    return {"method": method, "num_speculative_tokens": k, **extra}
 
 
 def prompts(n: int = 6) -> list[list[int]]:
@@ -43,6 +62,7 @@ SPECS = [
     {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
     {"method": "draft_model", "num_speculative_tokens": 4, "model": DRAFT},
     {"method": "draft_model", "num_speculative_tokens": 2, "model": TARGET},
+    spec_for("medusa", 3), spec_for("eagle", 4),
 ]
 
 
@@ -64,11 +84,11 @@ def test_greedy_speculative_equals_plain_decoding(spec):
                                 dict(num_kv_blocks=16, block_size=4), dict(num_kv_blocks=16, block_size=4,
                                                                            preemption_mode="swap")],
                          ids=["chunked", "prefix-hash", "prefix-radix", "preempt-recompute", "preempt-swap"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "medusa", "eagle"])
 def test_speculative_with_chunked_prefill_prefix_caching_and_preemption(kw, method):
     ps = prompts(5)
     ps = ps + [ps[0][:12] + [7, 8, 9]]   # shares a prefix with the first prompt
-    spec = {"method": method, "num_speculative_tokens": 3, **({"model": DRAFT} if method == "draft_model" else {"prompt_lookup_min": 1})}
+    spec = spec_for(method)
     kw = {"max_model_len": 64 if "num_kv_blocks" in kw else 128, **kw}
     plain = run(LLM(TARGET, **kw), ps, max_tokens=20)
     llm = LLM(TARGET, speculative_config=spec, **kw)
@@ -133,17 +153,17 @@ def chi2_pvalue(counts: dict, probs: dict) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_sampled_tokens_follow_the_target_distribution(method):
+@pytest.mark.parametrize("method,batched", [("ngram", False), ("draft_model", False), ("draft_model", True),
+                                            ("eagle", False)])
+def test_sampled_tokens_follow_the_target_distribution(method, batched):
     """Tokens 2 and 3 of each sample come from speculative steps (drafted, then accepted or corrected); the joint
     distribution of the three must be the target's: p(t1) p(t2 | t1) p(t3 | t1 t2)."""
     target = tiny_llama(vocab_size=16, seed=3)           # a small vocabulary: every token occurs in the prompt,
     prompt = list(range(3, 16)) + [9, 4, 12, 3, 7]       # so n-gram lookup always has a draft to propose
     sp = dict(temperature=1.0, top_k=6)
-    spec = {"method": method, "num_speculative_tokens": 2,
-            **({"model": tiny_llama(vocab_size=16, num_layers=1, seed=4)} if method == "draft_model" else
-               {"prompt_lookup_min": 1})}
+    spec = spec_for(method, 2, target)
     llm = LLM(target, max_model_len=64, max_num_seqs=256, speculative_config=spec)
+    llm.batched_verification = batched   # True: the GPU path (verify_batch; on CPU its torch reference)
     n = 2000
     outs = llm.generate([{"prompt_token_ids": prompt}] * n,
                         [SamplingParams(max_tokens=3, ignore_eos=True, seed=i, **sp) for i in range(n)], use_tqdm=False)

@@ -83,7 +83,7 @@ class LLM:
         self.drafter = None
         if c.spec is not None:
             from llmso_lab.spec.drafters import make_drafter
-            self.drafter = make_drafter(c.spec, c, self.model_runner.vocab_size)
+            self.drafter = make_drafter(c.spec, c, self.model, self.model_runner)
         self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.draft_probs: dict[int, Tensor] = {}   # this step's draft distributions (sampled drafts only)
         self.num_requests = self.num_seqs = self.num_steps = self.num_finished = 0
@@ -175,6 +175,9 @@ class LLM:
         trace = StepTrace(step=self.num_steps, start_time=self.clock())
         # 1. retire sequences that hit EOS / a stop id / max_tokens last step; their KV blocks go back
         retired = self.scheduler.retire()
+        if self.drafter is not None:
+            for seq in retired:
+                self.drafter.forget(seq.seq_id)
         # 2. count free KV blocks
         trace.num_free_blocks_before = self.block_manager.num_free_blocks
         # 3. admit under the token budget (decodes first, then prefill chunks), preempting if blocks run out
@@ -217,7 +220,13 @@ class LLM:
             if seq.beam is not None:
                 seq.beam.pending[seq.seq_id] = logits[r].float().cpu().log_softmax(-1)
         sampling = [(r, seq) for r, seq in sampling if seq.beam is None]
-        spec_emitted = {item.seq.seq_id: self._verify(item, logits[r:r + 1 + len(item.spec_token_ids)]) for r, item in spec}
+        spec_emitted = self._verify_all(spec, logits)
+        if hasattr(self.drafter, "observe"):   # Medusa: the hidden state behind each sequence's newest token
+            hidden = self.model_runner.last_hidden
+            for r, seq in sampling:
+                self.drafter.observe(seq, hidden[r])
+            for r, item in spec:
+                self.drafter.observe(item.seq, hidden[r + len(spec_emitted[item.seq.seq_id]) - 1])
         if spec or len(sampling) < row:
             logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
         seqs = [seq for _, seq in sampling]
@@ -256,26 +265,58 @@ class LLM:
         out.scheduled.sort(key=lambda item: item.num_query_tokens > 1)
         out.num_decodes = sum(item.num_query_tokens == 1 for item in out.scheduled)
 
-    def _verify(self, item, logits: Tensor) -> list[int]:
-        """The tokens a speculative decode emits: its accepted drafts, then one from the target (a correction at
-        the first rejection, or the bonus token after all). `logits` [s + 1, V]: the target at the last token and
-        at each draft. Greedy: the longest run of drafts equal to the target's argmax; sampling: rejection
-        sampling, so the emitted tokens are distributed exactly as the target's own samples."""
+    batched_verification: bool | None = None   # None: on a GPU (one Triton kernel for the batch); else per request
+
+    def _verify_all(self, spec: list, logits: Tensor) -> dict[int, list[int]]:
+        """The tokens each speculative decode emits: its accepted drafts, then one from the target (a correction at
+        the first rejection, or the bonus token after all). An item's rows of `logits` (from its first row r):
+        the target at its last token and at each of its s drafts. Greedy: the longest run of drafts equal to the
+        target's argmax; sampling: rejection sampling, so the emitted tokens are distributed exactly as the
+        target's own samples (`llmso_lab.spec.verify`)."""
         from llmso_lab.spec.verify import greedy_verify, speculative_verify, target_probs
-        seq, drafts = item.seq, item.spec_token_ids
-        params = seq.sampling_params
-        if params.greedy:
-            emitted = greedy_verify(logits.argmax(-1).tolist(), drafts)
-        else:
-            p = target_probs(logits.float().cpu(), params)
+        emitted, batch = {}, []
+        batched = logits.is_cuda if self.batched_verification is None else self.batched_verification
+        for r, item in spec:
+            seq, drafts = item.seq, item.spec_token_ids
+            rows = logits[r:r + 1 + len(drafts)]
+            if seq.sampling_params.greedy:
+                emitted[seq.seq_id] = greedy_verify(rows.argmax(-1).tolist(), drafts)
+                continue
+            p = target_probs(rows if batched else rows.cpu(), seq.sampling_params)
             q = self.draft_probs.get(seq.seq_id)
             if q is None:   # one-hot drafts (n-gram lookup, greedy drafting)
                 q = torch.zeros(len(drafts), p.shape[-1]).scatter_(1, torch.tensor(drafts)[:, None], 1.0)
-            emitted = speculative_verify(p, q, drafts, seq.generator)
-        self.num_spec_steps += 1
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += len(emitted) - 1
+            if batched:
+                batch.append((seq, p, q.to(p.device), drafts))
+            else:
+                emitted[seq.seq_id] = speculative_verify(p, q, drafts, seq.generator)
+        if batch:
+            emitted.update(self._verify_batch(batch))
+        for r, item in spec:
+            self.num_spec_steps += 1
+            self.num_draft_tokens += len(item.spec_token_ids)
+            self.num_accepted_tokens += len(emitted[item.seq.seq_id]) - 1
         return emitted
+
+    @staticmethod
+    def _verify_batch(batch: list) -> dict[int, list[int]]:
+        """Every sampled speculative decode of the step in one call (`verify_batch`: the Triton kernel on a GPU),
+        padded to the most drafts; each request's random numbers come from its own generator."""
+        from llmso_lab.spec.verify import verify_batch
+        k, V, dev = max(len(d) for *_, d in batch), batch[0][1].shape[-1], batch[0][1].device
+        B = len(batch)
+        p, q = torch.zeros(B, k + 1, V, device=dev), torch.zeros(B, k, V, device=dev)
+        tokens, u, noise = torch.zeros(B, k, dtype=torch.int64), torch.zeros(B, k), torch.empty(B, V)
+        for b, (seq, pb, qb, drafts) in enumerate(batch):
+            s = len(drafts)
+            p[b, :s + 1], q[b, :s] = pb, qb
+            tokens[b, :s] = torch.tensor(drafts, dtype=torch.int64)
+            u[b, :s] = torch.rand(s, generator=seq.generator)
+            noise[b].exponential_(generator=seq.generator)
+        num = torch.tensor([len(d) for *_, d in batch])
+        out, n = verify_batch(p, q, tokens.to(dev), num.to(dev), u.to(dev), noise.to(dev))
+        out, n = out.cpu(), n.cpu()
+        return {seq.seq_id: out[b, :int(n[b])].tolist() for b, (seq, *_) in enumerate(batch)}
 
     def _trace_schedule(self, trace: StepTrace, out: SchedulerOutput) -> None:
         for item in out.scheduled:

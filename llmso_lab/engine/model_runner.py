@@ -169,6 +169,13 @@ class ModelRunner:
             self.v_swap = self.k_swap[..., :self.mla.latent_dim]
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
         self.cache_pairs = [(self.k_cache, self.k_swap)] + ([(self.v_cache, self.v_swap)] if self.mla is None else [])
+        self.last_hidden: Tensor | None = None   # the final-normed hidden states of the last forward's logits rows
+        self.feature_cache = None   # EAGLE: every token's final-normed hidden state, paged like the KV cache
+        if config.spec is not None and config.spec.method == "eagle":
+            hidden = cfg.hidden_size
+            self.feature_cache = torch.zeros(1, num_kv_blocks + 1, block_size, hidden, dtype=self.dtype, device=self.device)
+            self.cache_pairs.append((self.feature_cache, torch.zeros(1, config.swap_space_blocks, block_size, hidden,
+                                                                    dtype=self.dtype)))
 
     @staticmethod
     def _load_layer(layer, window: int | None, dtype: torch.dtype, mla: MLAShape | None = None) -> LayerWeights:
@@ -259,9 +266,12 @@ class ModelRunner:
 
     # ---- the forward -------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor,
+                inputs_embeds: Tensor | None = None) -> Tensor:
+        """Logits [N, V] fp32 at `logits_indices`; their final-normed hidden states are kept in `last_hidden`.
+        `inputs_embeds` [T, hidden] replaces the embedding lookup (an EAGLE head feeds its own inputs)."""
         T, H, Hkv, D = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.embedding(input_ids, self.embed)                               # [T, hidden]
+        h = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds.to(self.dtype)   # [T, hidden]
         cos = self.cos.index_select(0, positions)[:, None]                      # [T, 1, D]
         sin = self.sin.index_select(0, positions)[:, None]
         self.backend.plan(meta)
@@ -283,7 +293,13 @@ class ModelRunner:
             x = rms_norm(h, w.post_norm, self.eps)
             gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)     # [T, I] each
             h = h + linear(F.silu(gate) * up, w.down, w.down_bias)
-        h = rms_norm(h.index_select(0, logits_indices), self.final_norm, self.eps)   # [N, hidden]
+        if self.feature_cache is not None:   # every token's feature, for the EAGLE head (rejected drafts' are overwritten later)
+            features = rms_norm(h, self.final_norm, self.eps)
+            self.feature_cache.view(-1, features.shape[-1]).index_copy_(0, meta.slot_mapping, features)
+            h = features.index_select(0, logits_indices)
+        else:
+            h = rms_norm(h.index_select(0, logits_indices), self.final_norm, self.eps)   # [N, hidden]
+        self.last_hidden = h
         return linear(h, self.lm_head).float()                               # [N, V]
 
     # ---- swapping ----------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class NgramDrafter:
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         pass
 
+    def forget(self, seq_id: int) -> None:
+        pass
+
 
 def draw(logits: Tensor, params, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
     """One draft token from fp32 logits [V] and the distribution it came from (None when greedy: one-hot)."""
@@ -54,7 +57,6 @@ class DraftModelDrafter:
     """A draft model run by a second `ModelRunner` (its KV cache indexed by the target's block tables)."""
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target_vocab_size: int) -> None:
-        from llmso_lab.engine.config import parse_quantization
         from llmso_lab.engine.llm import _resolve_model
         from llmso_lab.engine.model_runner import ModelRunner, check_model_config
 
@@ -66,10 +68,7 @@ class DraftModelDrafter:
         if model.config.max_position_embeddings < config.max_model_len:
             raise ValueError(f"the draft model handles {model.config.max_position_embeddings} positions, fewer than "
                              f"max_model_len={config.max_model_len}; lower max_model_len")
-        draft_config = copy.copy(config)          # same blocks, block size, dtype and attention backend
-        draft_config.quantization, draft_config.quantization_group_size = (
-            parse_quantization(spec.quantization) if spec.quantization else (None, 0))
-        self.runner = ModelRunner(model, draft_config)
+        self.runner = ModelRunner(model, draft_runner_config(config, spec.quantization))
         self.model = model
         self.computed: dict[int, tuple[int, int]] = {}   # seq_id -> (its num_preemptions, tokens with draft K/V)
 
@@ -115,9 +114,127 @@ class DraftModelDrafter:
         self.computed.pop(seq_id, None)
 
 
-def make_drafter(spec: SpeculativeConfig, config: EngineConfig, target_vocab_size: int):
+def draft_runner_config(config: EngineConfig, quantization: str | None = None) -> EngineConfig:
+    """The target's engine config for a drafter's own `ModelRunner`: the same blocks, block size, dtype and
+    attention backend (its KV cache is indexed by the target's block tables), no speculation of its own."""
+    from llmso_lab.engine.config import parse_quantization
+    c = copy.copy(config)
+    c.quantization, c.quantization_group_size = parse_quantization(quantization) if quantization else (None, 0)
+    c.spec, c.num_speculative_tokens = None, 0
+    return c
+
+
+class MedusaDrafter:
+    """Medusa heads on the hidden state that produced each sequence's last token (`observe`d after each step)."""
+
+    def __init__(self, spec: SpeculativeConfig, target, runner) -> None:
+        from llmso_lab.spec.heads import load_head
+        self.heads = load_head("medusa", spec.model, target).to(runner.dtype)
+        self.runner = runner                                     # the target's: its LM head turns guesses into logits
+        self.hidden: dict[int, Tensor] = {}                      # seq_id -> h_t of its last sampled token
+
+    def observe(self, seq, hidden: Tensor) -> None:
+        self.hidden[seq.seq_id] = hidden
+
+    @torch.inference_mode()
+    def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
+        from llmso_lab.engine.model_runner import linear
+        out: list[Proposal] = []
+        for item in items:
+            h = self.hidden.get(item.seq.seq_id)
+            if h is None:    # a forked sample that has not sampled on its own yet
+                out.append(([], None))
+                continue
+            n = min(item.num_lookahead, self.heads.num_heads)
+            logits = linear(self.heads(h[None])[:n, 0], self.runner.lm_head).float()   # [n, V]
+            drafts = [draw(row, item.seq.sampling_params, item.seq.generator) for row in logits]
+            qs = [q for _, q in drafts if q is not None]
+            out.append(([t for t, _ in drafts], torch.stack(qs) if qs else None))
+        return out
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        pass
+
+    def forget(self, seq_id: int) -> None:
+        self.hidden.pop(seq_id, None)
+
+
+class EagleDrafter:
+    """An EAGLE head run by its own one-layer `ModelRunner` on the target's block tables. Its input at position p
+    needs the target's feature at p - 1: the target keeps every token's feature in a paged `feature_cache` (so
+    prefix-cache hits, preemption and copy-on-write carry features along with K/V)."""
+
+    def __init__(self, spec: SpeculativeConfig, target, config: EngineConfig, runner) -> None:
+        from llmso_lab.engine.model_runner import ModelRunner
+        from llmso_lab.spec.heads import load_head
+        self.head = load_head("eagle", spec.model, target)
+        self.target_runner = runner
+        self.runner = ModelRunner(self.head.model, draft_runner_config(config))
+        self.fc = self.head.fc.to(runner.dtype)
+        self.computed: dict[int, tuple[int, int]] = {}          # seq_id -> (num_preemptions, positions done)
+
+    def _features(self, seq, positions: list[int]) -> Tensor:
+        """The target's features at `positions` (-1: the zero feature before the first token)."""
+        bs, table = self.target_runner.block_size, seq.block_table
+        cache = self.target_runner.feature_cache.view(-1, self.target_runner.feature_cache.shape[-1])
+        slots = torch.tensor([table[p // bs] * bs + p % bs if p >= 0 else 0 for p in positions], device=cache.device)
+        f = cache.index_select(0, slots)
+        return f * torch.tensor([p >= 0 for p in positions], dtype=f.dtype, device=f.device)[:, None]
+
+    @torch.inference_mode()
+    def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
+        from llmso_lab.engine.model_runner import BatchRow
+        tokens: list[list[int]] = [[] for _ in items]
+        probs: list[list[Tensor]] = [[] for _ in items]
+        live = [i for i, item in enumerate(items) if item.num_lookahead > 0]
+        rows, embeds = [], []
+        for i in live:   # catch up: positions done .. num_tokens - 1, with the target's features at p - 1
+            seq = items[i].seq
+            nprem, done = self.computed.get(seq.seq_id, (seq.num_preemptions, 0))
+            done = 0 if nprem != seq.num_preemptions else min(done, seq.num_computed_tokens)
+            ids = seq.token_ids[done:]
+            rows.append(BatchRow(ids, done, seq.block_table))
+            embeds.append(self._inputs(ids, self._features(seq, list(range(done - 1, seq.num_tokens - 1)))))
+            self.computed[seq.seq_id] = (seq.num_preemptions, seq.num_tokens)   # later positions use guessed features
+        step = 0
+        while live:
+            order = sorted(range(len(rows)), key=lambda r: len(rows[r].token_ids) > 1)
+            num_decodes = sum(len(rows[r].token_ids) == 1 for r in order)
+            ids, pos, meta, idx = self.runner.prepare_rows([rows[r] for r in order], num_decodes)
+            logits = self.runner.forward(ids, pos, meta, idx, torch.cat([embeds[r] for r in order]))
+            guessed = self.runner.last_hidden                      # [rows, hidden]: the predicted features
+            next_live, next_rows, next_embeds = [], [], []
+            for j, r in enumerate(order):
+                i, seq = live[r], items[live[r]].seq
+                token, q = draw(logits[j], seq.sampling_params, seq.generator)
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+                if step + 1 < items[i].num_lookahead:
+                    next_live.append(i)
+                    next_rows.append(BatchRow([token], rows[r].start + len(rows[r].token_ids), seq.block_table))
+                    next_embeds.append(self._inputs([token], guessed[j:j + 1]))
+            live, rows, embeds, step = next_live, next_rows, next_embeds, step + 1
+        return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _inputs(self, token_ids: list[int], prev_features: Tensor) -> Tensor:
+        ids = torch.tensor(token_ids, device=prev_features.device)
+        emb = torch.nn.functional.embedding(ids, self.runner.embed)
+        return self.fc(torch.cat([emb, prev_features.to(emb.dtype)], dim=-1))
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(mapping)
+
+    def forget(self, seq_id: int) -> None:
+        self.computed.pop(seq_id, None)
+
+
+def make_drafter(spec: SpeculativeConfig, config: EngineConfig, target, runner):
+    """The drafter for `spec.method`, for the target model `target` run by `runner`."""
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "draft_model":
-        return DraftModelDrafter(spec, config, target_vocab_size)
-    raise ValueError(f"speculative method {spec.method!r} is not available yet; use 'ngram' or 'draft_model'")
+        return DraftModelDrafter(spec, config, runner.vocab_size)
+    if spec.method == "medusa":
+        return MedusaDrafter(spec, target, runner)
+    return EagleDrafter(spec, target, config, runner)
