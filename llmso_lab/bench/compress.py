@@ -6,13 +6,17 @@ here instead of ~2 s):
 
 - `bits`: weight-only RTN, AWQ and GPTQ at 8 / 4 / 3 / 2 bits, symmetric, groups of 64 — a grid that does *not*
   align with the checkpoint's own Q4_1 blocks (group 32, asymmetric), which RTN reproduces exactly (rows
-  "RTN 4 g32 asym"); calibration: 512 tokens of `data/eval/calib_text.txt` (never scored). Fake quantization in
-  fp32 (the weights the kernels would multiply by); the lm_head (tied embedding) stays fp32.
+  "RTN 4 g32 asym"). Calibration (never scored), in rows of 128 tokens: `data/eval/calib_text.txt` (Python
+  documentation, another domain than the scored prose), 512 tokens for AWQ, all ~3,100 for GPTQ; plus GPTQ rows
+  calibrated in-domain ("calib": "eval 2048-4095", eval tokens that are not scored) — GPTQ fits its calibration
+  data, AWQ only picks scales from it. Fake quantization in fp32 (the weights the kernels would multiply by); the
+  lm_head (tied embedding) stays fp32.
 - `smoothquant`: W8A8 int8 (per-token activations, per-channel weights) without and with SmoothQuant, alpha swept;
   `fp8`: W8A8 in FP8 e4m3 / e5m2 (simulated: values cast, math in fp32).
 - `prune_unstructured` (magnitude, per matrix), `prune_2_4`, `prune_mlp` (structured: MLP channels removed).
 - `distill`: a tiny student trained 200 steps on the teacher's top-64 logits (+ one "rest" logit; KL at T = 1) vs on
-  the text's tokens (CE), same data, same seed; held-out perplexity (`llmso_lab.quant.distill.compare_soft_hard`).
+  the text's tokens (CE), same data, same seed; held-out perplexity (`llmso_lab.quant.distill.compare_soft_hard`),
+  with two training slices: the 1,663 in-domain tokens after the held-out ones, and all 7,808 (mostly Python docs).
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
     t_start = time.perf_counter()
     model, tok = load_model("smollm2-135m")
     ids = eval_token_ids(tok, 512 if quick else 2048)
-    calib = calibration_token_ids(tok, 512)
+    calib, calib_all = calibration_token_ids(tok, 512), calibration_token_ids(tok)
+    in_domain = eval_token_ids(tok)[2048:4096]   # never scored (the full run scores the first 2,048 tokens)
     ppl = lambda m: round(perplexity(m, ids, window=512), 3)  # noqa: E731
 
     def rtn(m, bits, group, sym):
@@ -57,7 +62,10 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
         jobs.append(("bits", {"method": "AWQ", "bits": bits, "group": 64, "symmetric": True},
                      lambda m, b=bits: awq_quantize_model(m, calib, b, 64, True)))
         jobs.append(("bits", {"method": "GPTQ", "bits": bits, "group": 64, "symmetric": True},
-                     lambda m, b=bits: gptq_quantize_model(m, calib, b, 64, True)))
+                     lambda m, b=bits: gptq_quantize_model(m, calib_all, b, 64, True, max_tokens=len(calib_all))))
+    for bits in (4, 3):
+        jobs.append(("bits", {"method": "GPTQ", "bits": bits, "group": 64, "symmetric": True, "calib": "eval 2048-4095"},
+                     lambda m, b=bits: gptq_quantize_model(m, in_domain, b, 64, True, max_tokens=len(in_domain))))
     jobs.append(("bits", {"method": "RTN", "bits": 4, "group": 32, "symmetric": False}, lambda m: rtn(m, 4, 32, False)))
     jobs.append(("bits", {"method": "RTN", "bits": 4, "group": 64, "symmetric": False}, lambda m: rtn(m, 4, 64, False)))
     jobs.append(("bits", {"method": "AWQ", "bits": 4, "group": 64, "symmetric": False},
@@ -83,20 +91,26 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
         tables.setdefault(table, []).append(row)
         del m
     steps = distill_steps or (20 if quick else 200)
-    d = compare_soft_hard(model, tok, heldout_tokens=1024, steps=steps, eval_every=max(1, steps // 6))
-    distill = {
-        "steps": steps, "heldout_tokens": 1024, "train_tokens": d["train_tokens"], "k": 64, "T": 1.0, "alpha": 1.0,
-        "student": "2-layer Llama, hidden 64, tied embedding = PCA of SmolLM2's (frozen)",
-        "teacher_ppl": round(d["teacher_ppl"], 3), "topk_mass": round(d["topk_mass"], 4),
-        **{mode: {"heldout_ppl": round(d[mode].heldout_ppl, 3), "seconds": round(d[mode].seconds, 1),
-                  "heldout_curve": [(s, round(p, 3)) for s, p in d[mode].heldout_curve],
-                  "final_loss": round(d[mode].losses[-1], 4)} for mode in ("soft", "hard")}}
+    distill = []
+    for max_train in ((1663,) if quick else (1663, None)):
+        d = compare_soft_hard(model, tok, heldout_tokens=1024, max_train_tokens=max_train, steps=steps,
+                              eval_every=max(1, steps // 6))
+        distill.append({
+            "steps": steps, "heldout_tokens": 1024, "train_tokens": d["train_tokens"], "k": 64, "T": 1.0, "alpha": 1.0,
+            "student": "2-layer Llama, hidden 64, tied embedding = PCA of SmolLM2's (frozen)",
+            "teacher_ppl": round(d["teacher_ppl"], 3), "topk_mass": round(d["topk_mass"], 4),
+            **{mode: {"heldout_ppl": round(d[mode].heldout_ppl, 3), "seconds": round(d[mode].seconds, 1),
+                      "heldout_curve": [(s, round(p, 3)) for s, p in d[mode].heldout_curve],
+                      "final_loss": round(d[mode].losses[-1], 4)} for mode in ("soft", "hard")}})
     base = ppl(model)
-    by = {(r["method"], r["bits"], r["group"], r["symmetric"]): r["ppl"] for r in tables["bits"]}
+    by = {(r["method"], r["bits"], r["group"], r["symmetric"]): r["ppl"] for r in tables["bits"] if "calib" not in r}
+    in_dom = {r["bits"]: r["ppl"] for r in tables["bits"] if "calib" in r}
     ratios = {}
     for bits in bits_list:
         for method in ("AWQ", "GPTQ"):
             ratios[f"{method.lower()}_over_rtn_ppl_{bits}bit_g64_sym"] = round(by[(method, bits, 64, True)] / by[("RTN", bits, 64, True)], 4)
+    for bits, p in in_dom.items():
+        ratios[f"gptq_in_domain_over_rtn_ppl_{bits}bit_g64_sym"] = round(p / by[("RTN", bits, 64, True)], 4)
     ratios["awq_over_rtn_ppl_4bit_g64_asym"] = round(by[("AWQ", 4, 64, False)] / by[("RTN", 4, 64, False)], 4)
     ratios["rtn_4bit_g32_asym_over_fp32_ppl"] = round(by[("RTN", 4, 32, False)] / base, 4)   # the GGUF's own grid
     sq = {r["alpha"]: r["ppl"] for r in tables["smoothquant"]}
@@ -104,10 +118,12 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
     ratios["w8a8_smoothquant_0.5_over_w8a8_ppl"] = round(sq[0.5] / sq[None], 4)
     un = {r["sparsity"]: r["ppl"] for r in tables["prune_unstructured"]}
     ratios["prune_2_4_over_unstructured_50_ppl"] = round(tables["prune_2_4"][0]["ppl"] / un[0.5], 4)
-    ratios["distill_soft_over_hard_heldout_ppl"] = round(distill["soft"]["heldout_ppl"] / distill["hard"]["heldout_ppl"], 4)
+    for d in distill:
+        ratios[f"distill_soft_over_hard_heldout_ppl_{d['train_tokens']}_train_tokens"] = round(
+            d["soft"]["heldout_ppl"] / d["hard"]["heldout_ppl"], 4)
     table = tables.pop("bits")
     return {"name": "compress", "device": _device_name(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "llmso-lab bench compress" + (" --quick" if quick else ""),
-            "eval_tokens": len(ids), "calib_tokens": len(calib), "ppl_fp32": base, "table": table,
+            "eval_tokens": len(ids), "calib_tokens": {"awq_smoothquant_prune": len(calib), "gptq": len(calib_all)}, "ppl_fp32": base, "table": table,
             "tables": tables, "distill": distill, "ratios": ratios, "seconds": round(time.perf_counter() - t_start, 1)}
