@@ -80,6 +80,14 @@ def cached_prefix_tokens(token_ids: Seq[int], cached_keys: Iterable[int], block_
     return hits * block_size
 
 
+def rollback_blocks(block_table: Seq[int], block_size: int, num_tokens: int) -> tuple[list[int], list[int]]:
+    """After a speculative step only the first `num_tokens` tokens of a sequence have valid K/V (its last token
+    and the accepted drafts; rejected drafts' slots are past them): the blocks to keep (those holding any of
+    them) and the blocks to free (only rejected drafts were written there), in table order."""
+    keep = cdiv(num_tokens, block_size)
+    return list(block_table[:keep]), list(block_table[keep:])
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -303,9 +311,8 @@ class BlockManager:
     def trim(self, seq: Sequence) -> None:
         """Free the blocks past `seq`'s computed tokens (speculative decoding: blocks that only rejected draft
         tokens were written to). They were taken for this step, so nothing else holds or caches them."""
-        keep = cdiv(seq.num_computed_tokens, self.block_size)
-        while len(seq.block_table) > keep:
-            block_id = seq.block_table.pop()
+        seq.block_table[:], freed = rollback_blocks(seq.block_table, self.block_size, seq.num_computed_tokens)
+        for block_id in reversed(freed):
             assert self.blocks[block_id].ref_count == 1 and not self._is_cached(block_id), f"block {block_id} is shared"
             self._release(block_id)
 

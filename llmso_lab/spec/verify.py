@@ -30,7 +30,7 @@ from torch import Tensor
 from llmso_lab.engine.sampler import filter_logits
 from llmso_lab.engine.sampling_params import SamplingParams
 
-__all__ = ["target_probs", "speculative_verify", "greedy_verify", "verify_batch_reference", "verify_batch",
+__all__ = ["target_probs", "speculative_verify", "verify_with_randoms", "greedy_verify", "verify_batch_reference", "verify_batch",
            "race_scores", "expected_tokens_per_step", "speculative_speedup"]
 
 
@@ -234,6 +234,18 @@ def verify_batch(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor
             from llmso_lab.spec.triton_verify import verify_batch_triton
             return verify_batch_triton(target_probs, draft_probs, draft_tokens, num_draft, accept_u, exp_noise)
     return verify_batch_reference(target_probs, draft_probs, draft_tokens, num_draft, accept_u, exp_noise)
+
+
+def verify_with_randoms(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor | list[int],
+                        accept_u: Tensor, exp_noise: Tensor) -> list[int]:
+    """`speculative_verify` for one request with its random numbers given (Lab 07's exercise): accept d_i iff
+    accept_u[i] * q_i(d_i) < p_i(d_i); the one non-draft token is argmax_j dist[j] / exp_noise[j] (the exponential
+    race, a draw from dist / sum(dist)) with dist the residual max(0, p_i - q_i) at the first rejection (p_i if
+    that is all zeros), else p_k. One row of `verify_batch_reference`. Returns the emitted ids (1..k+1)."""
+    d = torch.as_tensor(draft_tokens, dtype=torch.int64).reshape(-1)
+    out, n = verify_batch_reference(target_probs[None], draft_probs.reshape(len(d), target_probs.shape[-1])[None], d[None],
+                                    torch.tensor([len(d)]), accept_u.reshape(1, len(d)), exp_noise[None])
+    return out[0, :int(n[0])].tolist()
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
