@@ -33,7 +33,7 @@ __all__ = ["run", "FULL", "QUICK", "load_prompts", "copy_rate"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "data" / "spec" / "bench_prompts.json"
-FULL = dict(new_tokens=64, ks=(1, 2, 4, 8), batch=8, prompts=10, methods=("ngram", "draft", "draft-int4", "medusa", "eagle"))
+FULL = dict(new_tokens=64, ks=(1, 2, 4, 8), batch=8, prompts=6, methods=("ngram", "draft", "draft-int4", "medusa", "eagle"))
 QUICK = dict(new_tokens=12, ks=(2,), batch=4, prompts=2, methods=("ngram", "draft", "medusa", "eagle"))
 
 

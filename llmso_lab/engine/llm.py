@@ -47,6 +47,14 @@ class LLM:
     (`llmso_lab.quant.weight_only`; W8A16 / W4A16, activations cast to bf16 for the kernel only). Decode reads
     4x / 8x fewer weight bytes than fp32; the embedding, norms and KV cache keep `dtype`.
 
+    Speculative decoding (lecture 2-1): `speculative_config={"method": "ngram" | "draft_model" | "medusa" | "eagle",
+    "num_speculative_tokens": k, ...}` (vLLM's names; `llmso_lab.spec.config`). Each decoding sequence reserves k
+    lookahead KV slots, a drafter fills them (`llmso_lab.spec.drafters`), the target computes its last token and the
+    k drafts in the same forward as the rest of the batch, and rejection sampling (`llmso_lab.spec.verify`; greedy:
+    argmax matching) decides what is emitted: greedy outputs equal plain decoding, sampled ones follow the target's
+    distribution. Rejected drafts' slots are rolled back and the blocks only they used freed. `llm.stats()` adds
+    `spec_num_draft_tokens`, `spec_num_accepted_tokens`, the acceptance rate and the mean accepted length.
+
     Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
     `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
     can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
