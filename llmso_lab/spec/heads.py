@@ -4,6 +4,10 @@ Both reuse the target's LM head (and EAGLE its embedding), frozen: only the smal
 scripts in `scripts/`, weights in `data/spec/`), so a head costs a few MB where a separate draft model costs
 its own embedding table.
 
+`load_draft_model` loads the project's small draft model for SmolLM2 (a separate LlamaForCausalLM with its
+vocabulary, for `speculative_config={"method": "draft_model", "model": load_draft_model(), ...}`);
+`save_draft_model` writes that format. `scripts/train_spec_drafts.py` trains all three.
+
 - `MedusaHeads` (Cai et al., 2024): head i maps the final hidden state h_t (the one the LM head turns into
   token t+1) to h_t + SiLU(W_i h_t), whose logits guess token t+2+i. All k guesses come from one h_t at once:
   cheap, but head i never sees the tokens guessed before it, so acceptance falls quickly with i. (Medusa
@@ -20,10 +24,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MedusaHeads", "EagleHead", "load_head", "DEFAULT_HEADS"]
+__all__ = ["MedusaHeads", "EagleHead", "save_head", "load_head", "DEFAULT_HEADS", "DEFAULT_DRAFT",
+           "save_draft_model", "load_draft_model"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_HEADS = {"medusa": ROOT / "data" / "spec" / "medusa_smollm2.pt", "eagle": ROOT / "data" / "spec" / "eagle_smollm2.pt"}
+DEFAULT_DRAFT = ROOT / "data" / "spec" / "draft_smollm2.pt"
 
 
 class MedusaHeads(nn.Module):
@@ -95,6 +101,8 @@ def _rope_theta(cfg) -> float:
 
 
 def save_head(head: nn.Module, path: str | Path, **meta) -> None:
+    """Save a head's own weights in fp16 with its config and `meta` (e.g. target="smollm2-135m"); an EAGLE head
+    leaves out the target's embedding and LM head, which `load_head` attaches again."""
     state = head.trainable_state_dict() if isinstance(head, EagleHead) else head.state_dict()
     torch.save({"config": {**head.config_dict(), **meta}, "state_dict": {k: v.half() for k, v in state.items()}}, path)
 
@@ -108,7 +116,7 @@ def load_head(kind: str, source, target: nn.Module) -> nn.Module:
         path = Path(source) if source is not None else DEFAULT_HEADS[kind]
         if not path.exists():
             raise ValueError(f"no {kind} head at {path}: pass speculative_config['model'] = a path to trained weights "
-                             f"(scripts/train_spec_heads.py writes them) or a head module")
+                             f"(scripts/train_spec_drafts.py writes them) or a head module")
         saved = torch.load(path, map_location="cpu", weights_only=True)
         cfg = saved["config"]
         if cfg.get("kind") != kind:
@@ -127,3 +135,38 @@ def load_head(kind: str, source, target: nn.Module) -> nn.Module:
     if isinstance(head, EagleHead):
         head.attach(target)
     return head.eval()
+
+
+def save_draft_model(model: nn.Module, path: str | Path, **meta) -> None:
+    """Save a draft `LlamaForCausalLM` as {"config": its LlamaConfig as a dict, "state_dict": fp16 weights, "meta"}.
+    A tied LM head is stored once (it is the embedding): half the file of a small model whose embedding dominates."""
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    torch.save({"config": model.config.to_dict(), "state_dict": {k: v.detach().half() for k, v in state.items()},
+                "meta": meta}, path)
+
+
+def load_draft_model(path: str | Path | None = None) -> nn.Module:
+    """The draft model saved by `save_draft_model` (default: the project's draft for SmolLM2,
+    data/spec/draft_smollm2.pt) as an fp32 `LlamaForCausalLM` in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path) if path is not None else DEFAULT_DRAFT
+    if not path.exists():
+        raise ValueError(f"no draft model at {path}: run `python scripts/train_spec_drafts.py draft` to train it, "
+                         f"or pass the path of a file written by save_draft_model")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or "config" not in saved or "state_dict" not in saved:
+        raise ValueError(f"{path} is not a draft model file (expected the dict written by save_draft_model)")
+    cfg = {k: v for k, v in saved["config"].items() if k not in ("architectures", "transformers_version")}
+    config = LlamaConfig(**cfg)
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in saved["state_dict"].items()}, strict=False)
+    if config.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]     # the embedding, tied again below
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match its own config: missing {missing}, unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.float().eval()
