@@ -6,16 +6,18 @@ answer from a given context, repeat a code snippet) and free "chat" questions; g
 Drafters: n-gram prompt lookup, the trained draft model (`data/spec/draft_smollm2.pt`), SmolLM2 itself quantized to
 int4 as a draft, Medusa heads and an EAGLE head (`data/spec/*_smollm2.pt`), each at k in {1, 2, 4, 8}.
 
-- `table` (batch 1, requests one at a time): per drafter, k and task — tokens/s and its ratio to plain decoding
-  measured in the same run (plain is measured first and last; their mean is the baseline), acceptance rate, mean
-  accepted length (tokens per verification step) and how many prompts gave output identical to plain decoding;
+- `table` (batch 1, requests one at a time): per drafter, k and task — tokens/s and its ratio to plain decoding,
+  acceptance rate, mean accepted length (tokens per verification step) and how many prompts gave output identical
+  to plain decoding. Every engine (plain included) is built first, then each prompt goes through all of them in
+  turn, so drift of the machine during the run hits every configuration alike;
 - `tables["batch"]`: the same at batch 1 and `batch` (continuous batching) for plain decoding and each drafter at
   its best batch-1 k: the high-load caveat — verification adds work per step that a full batch no longer hides;
 - `tables["per_prompt"]`: each prompt's n-gram speed-up (best k) next to how much the model copies: the share of its
   output tokens that prompt lookup drafts correctly (k = 1);
 - `tables["hf_peer"]`: Hugging Face `generate` at batch 1 — plain, `prompt_lookup_num_tokens=k`, and
   `assistant_model=` our draft model — on the same prompts and lengths.
-Ratios: `ngram_vs_plain_copy_batch1`, `best_learned_vs_plain_chat_batch1` (draft model, Medusa, EAGLE),
+Ratios: `ngram_vs_plain_copy_batch1` (all copy tasks), `ngram_vs_plain_copy_heavy_batch1` (the copy prompts where the
+model copies: n-gram lookup drafts >= 50% of its plain output right), `best_learned_vs_plain_chat_batch1` (draft model, Medusa, EAGLE),
 `ngram_vs_hf_prompt_lookup_copy_batch1` (same k), and the speed-ups at `batch`.
 """
 from __future__ import annotations
@@ -68,33 +70,54 @@ def _spec_config(method: str, k: int) -> dict | None:
     return {"method": method, "num_speculative_tokens": min(k, 4) if method == "medusa" else k}
 
 
-def _measure(model, tok, prompts: dict, method: str, k: int, batch: int, new_tokens: int) -> dict:
-    """Run every prompt (batch 1: one request at a time, timed one by one; else all of a task at once)."""
+def _engine(model, tok, method: str, k: int, batch: int):
     from llmso_lab.engine import LLM, SamplingParams
     llm = LLM(model, tok, max_num_seqs=batch, max_model_len=1024, speculative_config=_spec_config(method, k))
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
+    return llm
+
+
+def _spec_counts(llm) -> dict:
+    st = llm.stats()
+    return {key: st.get(key, 0) for key in ("spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")}
+
+
+def _interleaved_batch1(engines: list, prompts: dict, new_tokens: int) -> dict:
+    """Every prompt through every engine in turn, one request at a time (batch 1), the order rotated from prompt to
+    prompt: a machine that speeds up or slows down during the run affects every engine alike."""
+    from llmso_lab.engine import SamplingParams
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0)
-    llm.generate([{"prompt_token_ids": prompts["chat"][0]}], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
-    out = {}
+    out = {key: {} for key, _ in engines}
     for task, ps in prompts.items():
-        before = llm.stats()
-        t0 = time.perf_counter()
-        if batch == 1:
-            outs, secs = [], []
-            for p in ps:
+        before = {key: _spec_counts(llm) for key, llm in engines}
+        for key, _ in engines:
+            out[key][task] = {"tokens": [], "seconds": []}
+        for i, p in enumerate(ps):
+            for j in range(len(engines)):
+                key, llm = engines[(i + j) % len(engines)]
                 t = time.perf_counter()
-                outs += llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
-                secs.append(time.perf_counter() - t)
-        else:
-            outs, secs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False), None
-        wall = time.perf_counter() - t0
-        after = llm.stats()
-        tokens = [o.outputs[0].token_ids for o in outs]
-        d = {key: after.get(key, 0) - before.get(key, 0) for key in ("spec_num_steps", "spec_num_draft_tokens",
-                                                                    "spec_num_accepted_tokens")}
-        out[task] = {"tokens": tokens, "seconds": secs, "tok_s": sum(map(len, tokens)) / wall,
-                     "acceptance_rate": d["spec_num_accepted_tokens"] / d["spec_num_draft_tokens"] if d["spec_num_draft_tokens"] else None,
-                     "mean_accepted_length": 1 + d["spec_num_accepted_tokens"] / d["spec_num_steps"] if d["spec_num_steps"] else None}
+                o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+                out[key][task]["seconds"].append(time.perf_counter() - t)
+                out[key][task]["tokens"].append(o.outputs[0].token_ids)
+        for key, llm in engines:
+            r, d0, d1 = out[key][task], before[key], _spec_counts(llm)
+            d = {c: d1[c] - d0[c] for c in d1}
+            r["tok_s"] = sum(map(len, r["tokens"])) / sum(r["seconds"])
+            r["acceptance_rate"] = d["spec_num_accepted_tokens"] / d["spec_num_draft_tokens"] if d["spec_num_draft_tokens"] else None
+            r["mean_accepted_length"] = 1 + d["spec_num_accepted_tokens"] / d["spec_num_steps"] if d["spec_num_steps"] else None
     return out
+
+
+def _batched(model, tok, ps: list, method: str, k: int, batch: int, new_tokens: int, repeats: int = 2) -> float:
+    """Tokens/s of one engine serving all of `ps` at once (continuous batching, `batch` slots): best of `repeats`."""
+    from llmso_lab.engine import SamplingParams
+    llm = _engine(model, tok, method, k, batch)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(max_tokens=new_tokens), use_tqdm=False)
+        best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+    return best
 
 
 def _hf_peer(model, tok, prompts: dict, new_tokens: int, k: int) -> list[dict]:
@@ -130,16 +153,16 @@ def run(quick: bool = False, **overrides) -> dict:
     model, tok = load_model("smollm2-135m")
     prompts = load_prompts(tok, cfg["prompts"])
     N, B = cfg["new_tokens"], cfg["batch"]
-    runs = [("plain", 0)] + [(m, k) for m in cfg["methods"] for k in cfg["ks"] if not (m == "medusa" and k > 4)] + [("plain", 0)]
-    results = []
-    for method, k in tqdm(runs, desc="spec batch 1"):
-        results.append((method, k, _measure(model, tok, prompts, method, k, 1, N)))
-    plain = {task: (results[0][2][task]["tok_s"] + results[-1][2][task]["tok_s"]) / 2 for task in prompts}
-    ref = results[0][2]
+    runs = [("plain", 0)] + [(m, k) for m in cfg["methods"] for k in cfg["ks"] if not (m == "medusa" and k > 4)]
+    engines = [((m, k), _engine(model, tok, m, k, 1)) for m, k in tqdm(runs, desc="spec engines")]
+    res = _interleaved_batch1(engines, prompts, N)
+    del engines
+    plain = {task: res[("plain", 0)][task]["tok_s"] for task in prompts}
+    ref = res[("plain", 0)]
     table = []
-    for method, k, res in results[1:-1]:
+    for method, k in runs[1:]:
         for task in prompts:
-            r = res[task]
+            r = res[(method, k)][task]
             same = sum(a == b for a, b in zip(r["tokens"], ref[task]["tokens"]))
             table.append({"method": method, "k": k, "task": task, "tok_s": round(r["tok_s"], 2),
                           "vs_plain": round(r["tok_s"] / plain[task], 3),
@@ -155,21 +178,24 @@ def run(quick: bool = False, **overrides) -> dict:
     for method in ("plain",) + tuple(cfg["methods"]):
         for task in prompts:
             k = 0 if method == "plain" else best[(method, task)]["k"]
-            r = _measure(model, tok, {task: prompts[task]}, method, k, B, N)[task]
-            batch_rows.append({"method": method, "k": k, "task": task, "batch": B, "tok_s": round(r["tok_s"], 2)})
+            batch_rows.append({"method": method, "k": k, "task": task, "batch": B,
+                               "tok_s": round(_batched(model, tok, prompts[task], method, k, B, N), 2)})
     plain_b = {r["task"]: r["tok_s"] for r in batch_rows if r["method"] == "plain"}
     for r in batch_rows:
         r["vs_plain"] = round(r["tok_s"] / plain_b[r["task"]], 3)
         r["vs_plain_batch1"] = None if r["method"] == "plain" else best[(r["method"], r["task"])]["vs_plain"]
     # per prompt: copy rate vs the n-gram speed-up (best k on copy prompts), both tasks
     k_ng = best[("ngram", "copy")]["k"]
-    ng = next(res for m, k, res in results if m == "ngram" and k == k_ng)
+    ng = res[("ngram", k_ng)]
     per_prompt = []
     for task, ps in prompts.items():
         for i, p in enumerate(ps):
             per_prompt.append({"task": task, "prompt": i, "output_tokens": len(ref[task]["tokens"][i]),
                                "copy_rate": round(copy_rate(p, ref[task]["tokens"][i]), 3),
-                               "ngram_speedup": round(results[0][2][task]["seconds"][i] / ng[task]["seconds"][i], 3)})
+                               "ngram_speedup": round(ref[task]["seconds"][i] / ng[task]["seconds"][i], 3)})
+    heavy = [i for i, p in enumerate(prompts["copy"]) if copy_rate(p, ref["copy"]["tokens"][i]) >= 0.5]
+    heavy_ratio = (sum(ref["copy"]["seconds"][i] for i in heavy) / sum(ng["copy"]["seconds"][i] for i in heavy)
+                   * sum(len(ng["copy"]["tokens"][i]) for i in heavy) / sum(len(ref["copy"]["tokens"][i]) for i in heavy)) if heavy else None
     peer = _hf_peer(model, tok, prompts, N, k_ng)
     for row in peer:
         for task in prompts:
@@ -177,8 +203,9 @@ def run(quick: bool = False, **overrides) -> dict:
     learned = [m for m in ("draft", "medusa", "eagle") if m in cfg["methods"]]
     ratios = {"ngram_vs_plain_copy_batch1": best[("ngram", "copy")]["vs_plain"],
               "ngram_vs_plain_chat_batch1": best[("ngram", "chat")]["vs_plain"],
-              "best_learned_vs_plain_chat_batch1": max(best[(m, "chat")]["vs_plain"] for m in learned),
-              "best_learned_vs_plain_copy_batch1": max(best[(m, "copy")]["vs_plain"] for m in learned),
+              "ngram_vs_plain_copy_heavy_batch1": None if heavy_ratio is None else round(heavy_ratio, 3),
+              "best_learned_vs_plain_chat_batch1": max((best[(m, "chat")]["vs_plain"] for m in learned), default=None),
+              "best_learned_vs_plain_copy_batch1": max((best[(m, "copy")]["vs_plain"] for m in learned), default=None),
               "ngram_vs_hf_prompt_lookup_copy_batch1": round(best[("ngram", "copy")]["tok_s"] / peer[1]["copy_tok_s"], 3),
               "engine_plain_vs_hf_plain_batch1_chat": round(plain["chat"] / peer[0]["chat_tok_s"], 3)}
     for r in batch_rows:
@@ -188,7 +215,6 @@ def run(quick: bool = False, **overrides) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "llmso-lab bench spec" + (" --quick" if quick else ""), "config": {**cfg, "ks": list(cfg["ks"])},
             "plain_tok_s_batch1": {t: round(v, 2) for t, v in plain.items()},
-            "plain_tok_s_batch1_first_last": {t: [round(results[0][2][t]["tok_s"], 2), round(results[-1][2][t]["tok_s"], 2)]
-                                               for t in prompts},
+            "copy_heavy_prompts": heavy,
             "table": table, "tables": {"batch": batch_rows, "per_prompt": per_prompt, "hf_peer": peer},
             "ratios": ratios, "seconds": round(time.perf_counter() - t_start, 1)}
