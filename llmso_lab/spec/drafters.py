@@ -77,8 +77,6 @@ class DraftModelDrafter:
 
     def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
         from llmso_lab.engine.model_runner import BatchRow
-        tokens: list[list[int]] = [[] for _ in items]
-        probs: list[list[Tensor]] = [[] for _ in items]
         live = [i for i, item in enumerate(items) if item.num_lookahead > 0]
         if not live:
             return [([], None) for _ in items]
@@ -90,28 +88,47 @@ class DraftModelDrafter:
             nprem, done = self.computed.get(seq.seq_id, (seq.num_preemptions, 0))
             done = 0 if nprem != seq.num_preemptions else min(done, seq.num_computed_tokens)
             rows.append(BatchRow(seq.token_ids[done:], done, seq.block_table))
-        step = 0
-        while live:
-            order = sorted(range(len(rows)), key=lambda r: len(rows[r].token_ids) > 1)   # one-token rows first
-            num_decodes = sum(len(rows[r].token_ids) == 1 for r in order)
-            logits = self.runner.forward(*self.runner.prepare_rows([rows[r] for r in order], num_decodes))
-            next_live, next_rows = [], []
-            for j, r in enumerate(order):
-                i, seq = live[r], items[live[r]].seq
-                token, q = draw(logits[j], seq.sampling_params, seq.generator)
-                tokens[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
-                position = rows[r].start + len(rows[r].token_ids)          # where the drafted token goes
-                self.computed[seq.seq_id] = (seq.num_preemptions, position)
-                if step + 1 < items[i].num_lookahead:
-                    next_live.append(i)
-                    next_rows.append(BatchRow([token], position, seq.block_table))
-            live, rows, step = next_live, next_rows, step + 1
-        return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        def seen(seq, position: int) -> None:   # the draft K/V now covers positions < `position`
+            self.computed[seq.seq_id] = (seq.num_preemptions, position)
+        return draft_autoregressively(self.runner, items, live, rows, on_draft=seen)
 
     def forget(self, seq_id: int) -> None:
         self.computed.pop(seq_id, None)
+
+
+def draft_autoregressively(runner, items: list[ScheduledSeq], live: list[int], rows: list, embeds: list | None = None,
+                           next_embed=None, on_draft=None) -> list[Proposal]:
+    """A drafter's own model (`runner`, on the target's block tables) drafting up to each item's `num_lookahead`
+    tokens: step 0 runs each live item's row in `rows` (its catch-up tokens), later steps one token per item (the one
+    it just drafted), one-token rows first (the attention layout). `embeds` [per row]: input embeddings instead of
+    token ids (EAGLE), and `next_embed(token, predicted hidden [1, H])` the next step's; `on_draft(seq, position)`
+    after a token is drafted at `position`. Returns a proposal per item (those not live: none)."""
+    from llmso_lab.engine.model_runner import BatchRow
+    tokens: list[list[int]] = [[] for _ in items]
+    probs: list[list[Tensor]] = [[] for _ in items]
+    step = 0
+    while live:
+        order = sorted(range(len(rows)), key=lambda r: len(rows[r].token_ids) > 1)   # one-token rows first
+        num_decodes = sum(len(rows[r].token_ids) == 1 for r in order)
+        batch = runner.prepare_rows([rows[r] for r in order], num_decodes)
+        logits = runner.forward(*batch, torch.cat([embeds[r] for r in order]) if embeds is not None else None)
+        next_live, next_rows, next_embeds = [], [], []
+        for j, r in enumerate(order):
+            i, seq = live[r], items[live[r]].seq
+            token, q = draw(logits[j], seq.sampling_params, seq.generator)
+            tokens[i].append(token)
+            if q is not None:
+                probs[i].append(q)
+            position = rows[r].start + len(rows[r].token_ids)          # where the drafted token goes
+            if on_draft is not None:
+                on_draft(seq, position)
+            if step + 1 < items[i].num_lookahead:
+                next_live.append(i)
+                next_rows.append(BatchRow([token], position, seq.block_table))
+                if embeds is not None:
+                    next_embeds.append(next_embed(token, runner.last_hidden[j:j + 1]))
+        live, rows, embeds, step = next_live, next_rows, (next_embeds if embeds is not None else None), step + 1
+    return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
 
 def draft_runner_config(config: EngineConfig, quantization: str | None = None) -> EngineConfig:
@@ -184,8 +201,6 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
         from llmso_lab.engine.model_runner import BatchRow
-        tokens: list[list[int]] = [[] for _ in items]
-        probs: list[list[Tensor]] = [[] for _ in items]
         live = [i for i, item in enumerate(items) if item.num_lookahead > 0]
         rows, embeds = [], []
         for i in live:   # catch up: positions done .. num_tokens - 1, with the target's features at p - 1
@@ -196,26 +211,8 @@ class EagleDrafter:
             rows.append(BatchRow(ids, done, seq.block_table))
             embeds.append(self._inputs(ids, self._features(seq, list(range(done - 1, seq.num_tokens - 1)))))
             self.computed[seq.seq_id] = (seq.num_preemptions, seq.num_tokens)   # later positions use guessed features
-        step = 0
-        while live:
-            order = sorted(range(len(rows)), key=lambda r: len(rows[r].token_ids) > 1)
-            num_decodes = sum(len(rows[r].token_ids) == 1 for r in order)
-            ids, pos, meta, idx = self.runner.prepare_rows([rows[r] for r in order], num_decodes)
-            logits = self.runner.forward(ids, pos, meta, idx, torch.cat([embeds[r] for r in order]))
-            guessed = self.runner.last_hidden                      # [rows, hidden]: the predicted features
-            next_live, next_rows, next_embeds = [], [], []
-            for j, r in enumerate(order):
-                i, seq = live[r], items[live[r]].seq
-                token, q = draw(logits[j], seq.sampling_params, seq.generator)
-                tokens[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
-                if step + 1 < items[i].num_lookahead:
-                    next_live.append(i)
-                    next_rows.append(BatchRow([token], rows[r].start + len(rows[r].token_ids), seq.block_table))
-                    next_embeds.append(self._inputs([token], guessed[j:j + 1]))
-            live, rows, embeds, step = next_live, next_rows, next_embeds, step + 1
-        return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return draft_autoregressively(self.runner, items, live, rows, embeds,
+                                      next_embed=lambda token, guessed: self._inputs([token], guessed))
 
     def _inputs(self, token_ids: list[int], prev_features: Tensor) -> Tensor:
         ids = torch.tensor(token_ids, device=prev_features.device)
