@@ -45,6 +45,8 @@ class EngineConfig:
     dtype: str = "float32"                    # "auto" | "float32" | "bfloat16" | "float16" (vLLM's --dtype)
     quantization: str | None = None           # weight-only: "int8" (per channel) | "int4" (group 32) | "int4-g64"
     speculative_config: dict | None = None    # {"method": "ngram" | "draft_model" | ..., "num_speculative_tokens": k, ...}
+    tensor_parallel_size: int = 1             # ranks (processes) that each hold 1/N of every layer (`parallel.tensor`)
+    tp_timeout_s: float = 300.0               # a TP rank that does not answer within this many seconds fails the engine
     quantization_group_size: int = field(default=0, init=False)         # int4's group, parsed from `quantization`
     spec: SpeculativeConfig | None = field(default=None, init=False)    # `speculative_config`, checked
     num_speculative_tokens: int = field(default=0, init=False)          # k (0: no speculative decoding)
@@ -70,7 +72,10 @@ class EngineConfig:
             if self.batching != "continuous":
                 raise ValueError("speculative_config needs batching='continuous' (a sequence advances by a different "
                                  "number of tokens each step)")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.tensor_parallel_size != 1 and self.speculative_config is not None:
+            raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported here (the drafters run "
+                             "inside the model runner); use one or the other")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
 
@@ -88,9 +93,12 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={self.max_model_len} with "
                              "chunked prefill off: a long prompt could never be scheduled; raise max_num_batched_tokens, "
                              "lower max_model_len or set enable_chunked_prefill=True")
+        if self.tensor_parallel_size > 1:
+            check_tensor_parallel(model_config, self.tensor_parallel_size)
         per_seq = cdiv(self.max_model_len, self.block_size)   # blocks one max-length sequence needs
-        if self.num_kv_blocks is None:
-            budget = self.kv_cache_memory_bytes // kv_cache_bytes_per_block(model_config, self.block_size, dtype)
+        if self.num_kv_blocks is None:   # kv_cache_memory_bytes is per rank (per GPU in vLLM): TP adds capacity
+            budget = self.kv_cache_memory_bytes // kv_cache_bytes_per_block(model_config, self.block_size, dtype,
+                                                                          self.tensor_parallel_size)
             if budget < per_seq:
                 raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds {budget} blocks but one sequence "
                                  f"of max_model_len={self.max_model_len} needs {per_seq}; raise it or lower max_model_len")
@@ -103,6 +111,17 @@ class EngineConfig:
             self.swap_space_blocks = 0
         elif self.swap_space_blocks is None:
             self.swap_space_blocks = self.num_kv_blocks
+
+
+def check_tensor_parallel(model_config, tp: int) -> None:
+    """Raise ValueError unless `tp` ranks can split this model's heads and MLP (`parallel.heads.shard_heads`)."""
+    from llmso_lab.parallel.heads import shard_heads
+    if model_config.model_type == "deepseek_v3":
+        raise ValueError("tensor_parallel_size > 1 is implemented for Llama-family attention, not MLA; use 1")
+    shard_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
+    if model_config.intermediate_size % tp:
+        raise ValueError(f"intermediate_size={model_config.intermediate_size} does not split over "
+                         f"tensor_parallel_size={tp}; choose a size dividing it")
 
 
 def parse_quantization(spec: str) -> tuple[str, int]:

@@ -55,6 +55,12 @@ class LLM:
     distribution. Rejected drafts' slots are rolled back and the blocks only they used freed. `llm.stats()` adds
     `spec_num_draft_tokens`, `spec_num_accepted_tokens`, the acceptance rate and the mean accepted length.
 
+    Tensor parallelism (lecture 2-2): `tensor_parallel_size=N` (vLLM's name) runs N rank processes on this machine
+    (gloo over loopback), each holding 1/N of every layer's heads and MLP and its own KV heads' cache; two
+    all-reduces per layer (`llmso_lab.parallel.tensor`). `kv_cache_memory_bytes` is then per rank. Greedy tokens
+    equal tensor_parallel_size=1 except at near-ties (the all-reduce sums partials in another order). Call
+    `shutdown()` (or use `with LLM(...) as llm:`) to stop the ranks; they also stop when this process exits.
+
     Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
     `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
     can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
@@ -69,7 +75,7 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
                  dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, prefix_caching_algo: str = "hash",
                  quantization: str | None = None, speculative_config: dict | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 tensor_parallel_size: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, batching=batching,
@@ -78,7 +84,7 @@ class LLM:
             preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
             seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging,
             dtype=dtype, share_kv_blocks=share_kv_blocks, prefix_caching_algo=prefix_caching_algo,
-            quantization=quantization, speculative_config=speculative_config)
+            quantization=quantization, speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size)
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
@@ -86,7 +92,11 @@ class LLM:
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self.scheduler = Scheduler(c, self.eos_token_ids, clock)
         self.block_manager = self.scheduler.block_manager
-        self.model_runner = ModelRunner(self.model, c)
+        if c.tensor_parallel_size > 1:   # N rank processes hold the shards; this process schedules and samples
+            from llmso_lab.parallel.tensor import TensorParallelExecutor
+            self.model_runner = TensorParallelExecutor(self.model, c)
+        else:
+            self.model_runner = ModelRunner(self.model, c)
         self.sampler = Sampler()
         self.drafter = None
         if c.spec is not None:
@@ -507,8 +517,30 @@ class LLM:
             "num_prompt_tokens": self.num_prompt_tokens, "num_generated_tokens": self.num_generated_tokens,
             "num_computed_tokens": self.num_computed_tokens, "num_padded_tokens": self.num_padded_tokens,
             "busy_time_s": busy, "throughput_tokens_per_s": self.num_generated_tokens / busy if busy else 0.0,
-            **self._spec_stats(),
+            **self._spec_stats(), **self._tp_stats(),
         }
+
+    def _tp_stats(self) -> dict:
+        """Tensor parallelism: all-reduces per rank (2 per layer per forward) and the seconds spent in them."""
+        if self.config.tensor_parallel_size == 1:
+            return {}
+        ranks = self.model_runner.rank_stats()
+        return {"tp_size": len(ranks), "tp_num_forwards": ranks[0]["forwards"],
+                "tp_all_reduces_per_rank": ranks[0]["all_reduces"],
+                "tp_all_reduce_s_per_rank": [r["all_reduce_s"] for r in ranks],
+                "tp_forward_s_per_rank": [r["forward_s"] for r in ranks]}
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel rank processes (no-op for one process). Also runs when the LLM is garbage
+        collected or at interpreter exit, and on leaving `with LLM(...) as llm:`."""
+        if hasattr(self.model_runner, "shutdown"):
+            self.model_runner.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def _spec_stats(self) -> dict:
         """vLLM's speculative-decoding metrics: drafts proposed and accepted, the acceptance rate, and the mean

@@ -12,6 +12,7 @@ is the null block that padding tokens write to.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -123,93 +124,14 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return x * cos + swapped * signed_sin
 
 
-class ModelRunner:
-    """Step 4 for one model: its weights, the paged KV cache and swap pool sized by the (resolved) `EngineConfig`."""
+class BatchBuilder:
+    """Turns scheduled sequences into one flattened varlen batch for `forward`. Needs only the block size, the
+    null block and the device: the tensor-parallel executor (`llmso_lab.parallel.tensor`) builds batches in the
+    driver process this way and ships them to the ranks that hold the weights."""
 
-    def __init__(self, model, config: EngineConfig) -> None:
-        cfg, block_size, num_kv_blocks = model.config, config.block_size, config.num_kv_blocks
-        max_model_len = config.max_model_len
-        check_model_config(cfg)
-        self.num_layers, self.num_heads, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.eps, self.vocab_size = cfg.rms_norm_eps, cfg.vocab_size
-        self.dtype, self.device = config.torch_dtype, model.get_input_embeddings().weight.device
-        self.block_size, self.null_block = block_size, num_kv_blocks
-        self.mla = MLAShape.from_config(cfg) if cfg.model_type == "deepseek_v3" else None
-        if self.mla is None:
-            self.backend = make_attention_backend(config.attention_backend, num_heads=self.num_heads,
-                                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=block_size)
-        else:   # the latent cache: one "KV head" of r + dr numbers per token, the value its first r
-            self.num_kv_heads, self.head_dim = 1, self.mla.cache_dim
-            self.backend = make_attention_backend(
-                config.attention_backend, num_heads=self.num_heads, num_kv_heads=1, head_dim=self.mla.cache_dim,
-                block_size=block_size, v_head_dim=self.mla.latent_dim, latent=True,
-                scale=float(model.model.layers[0].self_attn.scaling))
-        windows = sliding_windows(cfg, max_model_len)
-        with torch.no_grad():
-            self.layers = [self._load_layer(layer, w, self.dtype, self.mla) for layer, w in zip(model.model.layers, windows)]
-            self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)   # [V, hidden]
-            self.final_norm = model.model.norm.weight.detach().to(self.dtype)
-            self.lm_head = _t(model.get_output_embeddings().weight, self.dtype)       # [hidden, V] (a copy even when tied)
-            if config.quantization:
-                self._quantize_weights(config.quantization, config.quantization_group_size)
-            cos, sin = rope_cos_sin(cfg, max_model_len)
-            half = sin.shape[-1] // 2
-            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)                   # signed for apply_rope
-            self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)   # [max_model_len, D]
-        shape = (self.num_layers, num_kv_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
-        swap_shape = (self.num_layers, config.swap_space_blocks, block_size, self.num_kv_heads, self.head_dim)
-        if self.mla is None:
-            self.k_cache, self.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
-            self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
-        else:   # one latent tensor; the "V cache" is a view of its first r numbers (nothing stored twice)
-            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v_cache = self.k_cache[..., :self.mla.latent_dim]
-            self.k_swap = torch.zeros(swap_shape, dtype=self.dtype)
-            self.v_swap = self.k_swap[..., :self.mla.latent_dim]
-        self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
-        self.cache_pairs = [(self.k_cache, self.k_swap)] + ([(self.v_cache, self.v_swap)] if self.mla is None else [])
-        self.last_hidden: Tensor | None = None   # the final-normed hidden states of the last forward's logits rows
-        self.feature_cache = None   # EAGLE: every token's final-normed hidden state, paged like the KV cache
-        if config.spec is not None and config.spec.method == "eagle":
-            hidden = cfg.hidden_size
-            self.feature_cache = torch.zeros(1, num_kv_blocks + 1, block_size, hidden, dtype=self.dtype, device=self.device)
-            self.cache_pairs.append((self.feature_cache, torch.zeros(1, config.swap_space_blocks, block_size, hidden,
-                                                                    dtype=self.dtype)))
-
-    @staticmethod
-    def _load_layer(layer, window: int | None, dtype: torch.dtype, mla: MLAShape | None = None) -> LayerWeights:
-        a, m = layer.self_attn, layer.mlp
-        cast = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
-        bias = lambda lin: getattr(lin, "bias", None)  # noqa: E731
-        gqa = mla is None
-        return LayerWeights(
-            input_norm=cast(layer.input_layernorm.weight),
-            qkv=_t(_cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), dtype) if gqa else None,
-            qkv_bias=cast(_cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)) if gqa else None,
-            o=_t(a.o_proj.weight, dtype) if gqa else None, o_bias=cast(_cat(a.o_proj.bias)) if gqa else None,
-            post_norm=cast(layer.post_attention_layernorm.weight),
-            gate_up=_t(_cat(m.gate_proj.weight, m.up_proj.weight), dtype),
-            gate_up_bias=cast(_cat(bias(m.gate_proj), bias(m.up_proj))),
-            down=_t(m.down_proj.weight, dtype), down_bias=cast(_cat(bias(m.down_proj))), sliding_window=window,
-            mla=None if gqa else load_mla(a, mla, dtype, _t))
-
-    def _quantize_weights(self, method: str, group_size: int) -> None:
-        """Weight-only quantization of every matmul (q/k/v, o, gate/up, down, LM head); the embedding lookup,
-        norms and the KV cache stay in the engine's dtype."""
-        from llmso_lab.quant.weight_only import quantize_weight
-        if self.mla is not None:
-            raise ValueError("quantization is implemented for Llama-family attention, not MLA; use quantization=None")
-        q = lambda w_t: quantize_weight(w_t.t().float(), method, group_size=group_size)  # noqa: E731  [in, out] -> [out, in]
-        for w in self.layers:
-            w.qkv, w.o, w.gate_up, w.down = q(w.qkv), q(w.o), q(w.gate_up), q(w.down)
-        self.lm_head = q(self.lm_head)
-
-    def weight_matrices(self) -> list[Tensor]:
-        """The matrices one forward multiplies by, in order: q/k/v, o, gate/up, down per layer, then the LM head."""
-        attn = lambda w: (w.qkv, w.o) if w.mla is None else tuple(  # noqa: E731
-            m for m in (w.mla.q, w.mla.q_a, w.mla.q_b, w.mla.kv_a, w.mla.o) if m is not None)
-        return [m for w in self.layers for m in (*attn(w), w.gate_up, w.down)] + [self.lm_head]
+    block_size: int
+    null_block: int
+    device: torch.device
 
     # ---- batch construction ------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
@@ -264,12 +186,120 @@ class ModelRunner:
         (and per idle static row), in the order of `out.scheduled`."""
         return self.forward(*self.prepare(out))
 
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor,
+                inputs_embeds: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+
+class ModelRunner(BatchBuilder):
+    """Step 4 for one model: its weights, the paged KV cache and swap pool sized by the (resolved) `EngineConfig`."""
+
+    def __init__(self, model, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        cfg, block_size, num_kv_blocks = model.config, config.block_size, config.num_kv_blocks
+        max_model_len = config.max_model_len
+        check_model_config(cfg)
+        self.num_layers, self.num_heads, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # Tensor parallelism (`llmso_lab.parallel.tensor`): this runner holds rank tp_rank's heads and MLP slice,
+        # and sums the row-parallel outputs (o_proj, down_proj) over the ranks: two all-reduces per layer.
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_all_reduces, self.all_reduce_s, self.num_forwards, self.forward_s = 0, 0.0, 0, 0.0
+        if tp_size > 1:
+            from llmso_lab.parallel.tensor import head_slices
+            q_heads, kv_heads = head_slices(self.num_heads, self.num_kv_heads, tp_rank, tp_size)
+            self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)
+        self.eps, self.vocab_size = cfg.rms_norm_eps, cfg.vocab_size
+        self.dtype, self.device = config.torch_dtype, model.get_input_embeddings().weight.device
+        self.block_size, self.null_block = block_size, num_kv_blocks
+        self.mla = MLAShape.from_config(cfg) if cfg.model_type == "deepseek_v3" else None
+        if self.mla is None:
+            self.backend = make_attention_backend(config.attention_backend, num_heads=self.num_heads,
+                                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, block_size=block_size)
+        else:   # the latent cache: one "KV head" of r + dr numbers per token, the value its first r
+            self.num_kv_heads, self.head_dim = 1, self.mla.cache_dim
+            self.backend = make_attention_backend(
+                config.attention_backend, num_heads=self.num_heads, num_kv_heads=1, head_dim=self.mla.cache_dim,
+                block_size=block_size, v_head_dim=self.mla.latent_dim, latent=True,
+                scale=float(model.model.layers[0].self_attn.scaling))
+        windows = sliding_windows(cfg, max_model_len)
+        with torch.no_grad():
+            self.layers = [self._load_layer(layer, w, self.mla) for layer, w in zip(model.model.layers, windows)]
+            self.embed = model.get_input_embeddings().weight.detach().to(self.dtype)   # [V, hidden]
+            self.final_norm = model.model.norm.weight.detach().to(self.dtype)
+            self.lm_head = _t(model.get_output_embeddings().weight, self.dtype)       # [hidden, V] (a copy even when tied)
+            if config.quantization:
+                self._quantize_weights(config.quantization, config.quantization_group_size)
+            cos, sin = rope_cos_sin(cfg, max_model_len)
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)                   # signed for apply_rope
+            self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)   # [max_model_len, D]
+        shape = (self.num_layers, num_kv_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
+        swap_shape = (self.num_layers, config.swap_space_blocks, block_size, self.num_kv_heads, self.head_dim)
+        if self.mla is None:
+            self.k_cache, self.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
+        else:   # one latent tensor; the "V cache" is a view of its first r numbers (nothing stored twice)
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_cache = self.k_cache[..., :self.mla.latent_dim]
+            self.k_swap = torch.zeros(swap_shape, dtype=self.dtype)
+            self.v_swap = self.k_swap[..., :self.mla.latent_dim]
+        self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
+        self.cache_pairs = [(self.k_cache, self.k_swap)] + ([(self.v_cache, self.v_swap)] if self.mla is None else [])
+        self.last_hidden: Tensor | None = None   # the final-normed hidden states of the last forward's logits rows
+        self.feature_cache = None   # EAGLE: every token's final-normed hidden state, paged like the KV cache
+        if config.spec is not None and config.spec.method == "eagle":
+            hidden = cfg.hidden_size
+            self.feature_cache = torch.zeros(1, num_kv_blocks + 1, block_size, hidden, dtype=self.dtype, device=self.device)
+            self.cache_pairs.append((self.feature_cache, torch.zeros(1, config.swap_space_blocks, block_size, hidden,
+                                                                    dtype=self.dtype)))
+
+    def _load_layer(self, layer, window: int | None, mla: MLAShape | None = None) -> LayerWeights:
+        dtype = self.dtype
+        cast = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
+        if mla is not None:
+            m = layer.mlp
+            bias = lambda lin: getattr(lin, "bias", None)  # noqa: E731
+            return LayerWeights(
+                input_norm=cast(layer.input_layernorm.weight), qkv=None, qkv_bias=None, o=None, o_bias=None,
+                post_norm=cast(layer.post_attention_layernorm.weight),
+                gate_up=_t(_cat(m.gate_proj.weight, m.up_proj.weight), dtype),
+                gate_up_bias=cast(_cat(bias(m.gate_proj), bias(m.up_proj))),
+                down=_t(m.down_proj.weight, dtype), down_bias=cast(_cat(bias(m.down_proj))), sliding_window=window,
+                mla=load_mla(layer.self_attn, mla, dtype, _t))
+        from llmso_lab.parallel.tensor import shard_llama_layer   # tp_size 1: the whole layer
+        w = shard_llama_layer(layer, self.tp_rank, self.tp_size, self.head_dim)
+        return LayerWeights(
+            input_norm=cast(layer.input_layernorm.weight),
+            qkv=_t(_cat(w["q"], w["k"], w["v"]), dtype), qkv_bias=cast(_cat(w["q_bias"], w["k_bias"], w["v_bias"])),
+            o=_t(w["o"], dtype), o_bias=cast(w["o_bias"]),
+            post_norm=cast(layer.post_attention_layernorm.weight),
+            gate_up=_t(_cat(w["gate"], w["up"]), dtype), gate_up_bias=cast(_cat(w["gate_bias"], w["up_bias"])),
+            down=_t(w["down"], dtype), down_bias=cast(w["down_bias"]), sliding_window=window)
+
+    def _quantize_weights(self, method: str, group_size: int) -> None:
+        """Weight-only quantization of every matmul (q/k/v, o, gate/up, down, LM head); the embedding lookup,
+        norms and the KV cache stay in the engine's dtype."""
+        from llmso_lab.quant.weight_only import quantize_weight
+        if self.mla is not None:
+            raise ValueError("quantization is implemented for Llama-family attention, not MLA; use quantization=None")
+        q = lambda w_t: quantize_weight(w_t.t().float(), method, group_size=group_size)  # noqa: E731  [in, out] -> [out, in]
+        for w in self.layers:
+            w.qkv, w.o, w.gate_up, w.down = q(w.qkv), q(w.o), q(w.gate_up), q(w.down)
+        self.lm_head = q(self.lm_head)
+
+    def weight_matrices(self) -> list[Tensor]:
+        """The matrices one forward multiplies by, in order: q/k/v, o, gate/up, down per layer, then the LM head."""
+        attn = lambda w: (w.qkv, w.o) if w.mla is None else tuple(  # noqa: E731
+            m for m in (w.mla.q, w.mla.q_a, w.mla.q_b, w.mla.kv_a, w.mla.o) if m is not None)
+        return [m for w in self.layers for m in (*attn(w), w.gate_up, w.down)] + [self.lm_head]
+
     # ---- the forward -------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor,
                 inputs_embeds: Tensor | None = None) -> Tensor:
         """Logits [N, V] fp32 at `logits_indices`; their final-normed hidden states are kept in `last_hidden`.
         `inputs_embeds` [T, hidden] replaces the embedding lookup (an EAGLE head feeds its own inputs)."""
+        t_start = time.perf_counter()
         T, H, Hkv, D = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         h = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds.to(self.dtype)   # [T, hidden]
         cos = self.cos.index_select(0, positions)[:, None]                      # [T, 1, D]
@@ -289,10 +319,10 @@ class ModelRunner:
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
             self.backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
             o = self.backend.forward(q, k, v, k_cache, v_cache, meta, w.sliding_window)  # [T, H, D]
-            h = h + linear(o.reshape(T, H * D), w.o, w.o_bias)
+            h = h + self.all_reduce(linear(o.reshape(T, H * D), w.o, w.o_bias))   # TP: sum the ranks' partials
             x = rms_norm(h, w.post_norm, self.eps)
-            gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)     # [T, I] each
-            h = h + linear(F.silu(gate) * up, w.down, w.down_bias)
+            gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)     # [T, I] each (TP: I / tp)
+            h = h + self.all_reduce(linear(F.silu(gate) * up, w.down, w.down_bias))
         if self.feature_cache is not None:   # every token's feature, for the EAGLE head (rejected drafts' are overwritten later)
             features = rms_norm(h, self.final_norm, self.eps)
             self.feature_cache.view(-1, features.shape[-1]).index_copy_(0, meta.slot_mapping, features)
@@ -300,7 +330,21 @@ class ModelRunner:
         else:
             h = rms_norm(h.index_select(0, logits_indices), self.final_norm, self.eps)   # [N, hidden]
         self.last_hidden = h
-        return linear(h, self.lm_head).float()                               # [N, V]
+        logits = linear(h, self.lm_head).float() if self.tp_rank == 0 else None   # [N, V] (TP: rank 0 only)
+        self.num_forwards += 1
+        self.forward_s += time.perf_counter() - t_start
+        return logits
+
+    def all_reduce(self, partial: Tensor) -> Tensor:
+        """Sum a row-parallel output over the tensor-parallel ranks, in place (gloo), counted and timed."""
+        if self.tp_size == 1:
+            return partial
+        import torch.distributed as dist
+        t0 = time.perf_counter()
+        dist.all_reduce(partial)
+        self.all_reduce_s += time.perf_counter() - t0
+        self.num_all_reduces += 1
+        return partial
 
     # ---- swapping ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -352,11 +396,16 @@ def sliding_windows(cfg, max_model_len: int) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types] if types else [window] * cfg.num_hidden_layers
 
 
-def kv_cache_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block (`block_size` tokens, every layer): `hardware.kv_cache_bytes`, or its MLA form
-    (one latent [c_kv, k_pe] per token and layer, no separate V)."""
+def kv_cache_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes of one KV block (`block_size` tokens, every layer) on one rank: `hardware.kv_cache_bytes` over the
+    rank's KV heads (`parallel.heads.shard_heads` at tensor-parallel size `tp`), or its MLA form (one latent
+    [c_kv, k_pe] per token and layer, no separate V)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     if cfg.model_type == "deepseek_v3":
         return hw.mla_kv_cache_bytes(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, elem, block_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return hw.kv_cache_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, elem, block_size)
+    kv_heads = cfg.num_key_value_heads
+    if tp > 1:
+        from llmso_lab.parallel.heads import shard_heads
+        kv_heads = shard_heads(cfg.num_attention_heads, kv_heads, tp).kv_heads_per_rank
+    return hw.kv_cache_bytes(cfg.num_hidden_layers, kv_heads, head_dim, elem, block_size)

@@ -15,6 +15,7 @@ dies (no orphans); `shutdown()` (or leaving the `with`) joins, then terminates, 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import threading
 import time
@@ -44,6 +45,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Channel:
+    """One end of a rank's pipe. Messages are pickled by value (tensors copied), never passed as shared-memory
+    handles: those would die with a rank that exits right after sending its result."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def send(self, obj: Any) -> None:
+        self.conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        return pickle.loads(self.conn.recv_bytes())
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def _watch_parent(parent: int) -> None:
     """Exit this rank as soon as its parent is gone (killed tests, a crashed notebook kernel)."""
     while True:
@@ -59,6 +83,7 @@ def _bootstrap(rank: int, world_size: int, port: int, parent: int, timeout_s: fl
     import torch.distributed as dist
 
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    conn = Channel(conn)
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -104,7 +129,7 @@ class Workers:
                                   target, args, child_end, _persistent))
             p.start()
             child_end.close()
-            self.conns.append(parent_end)
+            self.conns.append(Channel(parent_end))
             self.procs.append(p)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
 
@@ -149,8 +174,28 @@ class Workers:
                 self._fail(r, f"died (exit code {self.procs[r].exitcode})")
             return
         if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
-            self._fail(r, f"raised:\n{msg[1]}")
+            self._fail_with_errors({r: msg[1]})
         self.inbox[r].append(msg)
+
+    def _fail_with_errors(self, errors: dict[int, str]):
+        """A rank raised. Its peers usually fail right after it (their collective lost a partner): collect what
+        arrives within a second and blame the rank whose error is not such a consequence."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and len(errors) < self.world_size:
+            for r, c in enumerate(self.conns):
+                if r not in errors and r not in self.eof and c.poll():
+                    try:
+                        msg = c.recv()
+                    except EOFError:
+                        self.eof.add(r)
+                        continue
+                    if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
+                        errors[r] = msg[1]
+            time.sleep(0.05)
+        secondary = ("Connection reset", "Connection closed", "gloo/transport", "Timed out waiting")
+        first = min(errors, key=lambda r: (any(s in errors[r] for s in secondary), r))
+        others = "".join(f"\n(rank {r} failed too: {e.strip().splitlines()[-1]})" for r, e in errors.items() if r != first)
+        self._fail(first, f"raised:\n{errors[first]}{others}")
 
     def recv_all(self, timeout_s: float | None = None) -> list[Any]:
         return [self.recv(rank, timeout_s) for rank in range(self.world_size)]

@@ -1,0 +1,171 @@
+"""Tensor parallelism (lecture 2-2): Megatron-style sharding of a Llama layer, and the engine's TP executor.
+
+A linear layer y = x W^T (Hugging Face weight W [out, in]) splits two ways over `tp` ranks:
+- column-parallel: each rank keeps out/tp ROWS of W (a slice of the output features) and computes its slice
+  of y from the whole x; no communication, the outputs stay split;
+- row-parallel: each rank keeps in/tp COLUMNS of W, multiplies its slice of x (exactly what a column-parallel
+  layer left on it) and produces a partial y; the full y is the SUM over ranks: one all-reduce.
+A Llama layer chains them so that one all-reduce per block suffices: QKV column-parallel by heads ->
+attention on the rank's own heads -> O row-parallel -> all-reduce; gate/up column-parallel -> SwiGLU ->
+down row-parallel -> all-reduce. Two all-reduces per layer per forward: 2 x 30 = 60 per step for SmolLM2,
+2 x 80 = 160 for a 80-layer model (`llmso_lab.sim.comm`). Heads split by `heads.shard_heads` (KV heads replicate
+once tp > num_kv_heads). The embedding and the LM head are replicated here (vLLM splits them over the vocabulary
+and gathers the logits; one fewer concept for a 135M model), and only rank 0 computes logits.
+
+`LLM(model, tensor_parallel_size=N)` runs N rank processes (`launcher.Workers`), each a `ModelRunner` over its
+shard with its own KV cache (its KV heads only); the driver keeps the scheduler, block manager and sampler,
+builds each batch once (`TensorParallelExecutor`) and sends it to every rank; rank 0 returns the logits.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from llmso_lab.engine.model_runner import BatchBuilder
+from llmso_lab.parallel.heads import shard_heads
+from llmso_lab.parallel.launcher import Workers
+
+if TYPE_CHECKING:
+    from llmso_lab.engine.config import EngineConfig
+
+__all__ = ["shard_linear", "column_parallel_linear", "row_parallel_linear", "head_slices", "shard_llama_layer",
+           "TensorParallelExecutor"]
+
+
+def shard_linear(weight: Tensor, rank: int, tp: int, style: str) -> Tensor:
+    """Rank `rank`'s shard of a Hugging Face linear weight [out, in]: "column" keeps rows
+    [rank * out/tp, (rank + 1) * out/tp) (output features), "row" keeps those columns (input features)."""
+    if style not in ("column", "row"):
+        raise ValueError(f"style must be 'column' or 'row', got {style!r}")
+    if not (isinstance(tp, int) and tp >= 1 and isinstance(rank, int) and 0 <= rank < tp):
+        raise ValueError(f"need 0 <= rank < tp, got rank={rank!r}, tp={tp!r}")
+    dim = 0 if style == "column" else 1
+    size = weight.shape[dim]
+    if size % tp:
+        raise ValueError(f"{style}-parallel split of {size} {'output' if dim == 0 else 'input'} features over tp={tp} "
+                         f"is uneven; choose tp dividing {size}")
+    return weight.narrow(dim, rank * (size // tp), size // tp)
+
+
+def column_parallel_linear(x: Tensor, weight: Tensor, rank: int, tp: int) -> Tensor:
+    """This rank's slice of x W^T [.., out/tp]: concatenating all ranks' slices gives the full output."""
+    return x @ shard_linear(weight, rank, tp, "column").t()
+
+
+def row_parallel_linear(x_shard: Tensor, weight: Tensor, rank: int, tp: int) -> Tensor:
+    """This rank's partial x W^T [.., out] from its slice of x [.., in/tp]: the full output is the sum over ranks
+    (the all-reduce)."""
+    return x_shard @ shard_linear(weight, rank, tp, "row").t()
+
+
+def head_slices(num_heads: int, num_kv_heads: int, rank: int, tp: int) -> tuple[range, range]:
+    """(query heads, KV heads) that rank `rank` holds. While tp <= num_kv_heads each rank has its own KV heads;
+    beyond, rank r's query heads all belong to one KV group and it keeps (a replica of) that KV head."""
+    shard = shard_heads(num_heads, num_kv_heads, tp)
+    q = range(rank * shard.q_heads_per_rank, (rank + 1) * shard.q_heads_per_rank)
+    if shard.kv_replication == 1:
+        kv = range(rank * shard.kv_heads_per_rank, (rank + 1) * shard.kv_heads_per_rank)
+    else:
+        group = q.start // (num_heads // num_kv_heads)
+        kv = range(group, group + 1)
+    return q, kv
+
+
+def _rows(w: Tensor | None, heads: range, head_dim: int) -> Tensor | None:
+    return None if w is None else w[heads.start * head_dim:heads.stop * head_dim]
+
+
+def shard_llama_layer(layer, rank: int, tp: int, head_dim: int) -> dict[str, Tensor | None]:
+    """Rank `rank`'s weights of one HF Llama-family decoder layer, in HF orientation ([out, in]): q/k/v rows of its
+    heads (column-parallel), o_proj columns of its query heads (row-parallel), gate/up rows and down columns of
+    its 1/tp of the MLP. Row-parallel biases (o, down) stay on rank 0 only: they must be added once, not tp times."""
+    a, m = layer.self_attn, layer.mlp
+    H = a.q_proj.weight.shape[0] // head_dim
+    Hkv = a.k_proj.weight.shape[0] // head_dim
+    q_heads, kv_heads = head_slices(H, Hkv, rank, tp)
+    bias = lambda lin: getattr(lin, "bias", None)  # noqa: E731
+    inter = m.gate_proj.weight.shape[0]
+    if inter % tp:
+        raise ValueError(f"intermediate_size={inter} does not split over tensor_parallel_size={tp}")
+    mlp = lambda w, style: None if w is None else shard_linear(w, rank, tp, style)  # noqa: E731
+    return {
+        "q": _rows(a.q_proj.weight, q_heads, head_dim), "k": _rows(a.k_proj.weight, kv_heads, head_dim),
+        "v": _rows(a.v_proj.weight, kv_heads, head_dim), "q_bias": _rows(bias(a.q_proj), q_heads, head_dim),
+        "k_bias": _rows(bias(a.k_proj), kv_heads, head_dim), "v_bias": _rows(bias(a.v_proj), kv_heads, head_dim),
+        "o": a.o_proj.weight[:, q_heads.start * head_dim:q_heads.stop * head_dim],
+        "o_bias": bias(a.o_proj) if rank == 0 else None,
+        "gate": mlp(m.gate_proj.weight, "column"), "up": mlp(m.up_proj.weight, "column"),
+        "gate_bias": mlp(bias(m.gate_proj), "column"), "up_bias": mlp(bias(m.up_proj), "column"),
+        "down": mlp(m.down_proj.weight, "row"), "down_bias": bias(m.down_proj) if rank == 0 else None,
+    }
+
+
+# ---- the engine's executor -------------------------------------------------------------------------
+def _serve_rank(rank: int, world_size: int, conn, model, config: EngineConfig) -> None:
+    """One TP rank: build the shard's ModelRunner, then run the driver's commands until ("stop", None)."""
+    from llmso_lab.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(model, config, tp_rank=rank, tp_size=world_size)
+    del model
+    conn.send(("ready", {"kv_heads": runner.num_kv_heads, "q_heads": runner.num_heads}))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            return
+        if cmd == "forward":
+            logits = runner.forward(*arg)
+            if rank == 0:
+                conn.send(("logits", logits))
+        elif cmd in ("swap_out", "swap_in", "copy_blocks"):
+            getattr(runner, cmd)(arg)
+        elif cmd == "stats":
+            conn.send(("stats", {"all_reduces": runner.num_all_reduces, "all_reduce_s": runner.all_reduce_s,
+                                 "forwards": runner.num_forwards, "forward_s": runner.forward_s}))
+        else:
+            raise ValueError(f"unknown command {cmd!r}")
+
+
+class TensorParallelExecutor(BatchBuilder):
+    """Stands where the `ModelRunner` stands in `LLM` when tensor_parallel_size > 1: same `execute`, swap and copy
+    calls, carried out by every rank. Rank failures raise `launcher.RankError` with the rank's traceback."""
+
+    def __init__(self, model, config: EngineConfig) -> None:
+        tp = config.tensor_parallel_size
+        self.block_size, self.null_block, self.device = config.block_size, config.num_kv_blocks, torch.device("cpu")
+        self.vocab_size, self.tp_size, self.last_hidden = model.config.vocab_size, tp, None
+        self.workers = Workers(_serve_rank, tp, args=(model, config), timeout_s=config.tp_timeout_s)
+        self.rank_info = [self.workers.recv(r, timeout_s=config.tp_timeout_s) for r in range(tp)]
+        self.comm_wait_s = 0.0   # driver time waiting for rank 0's logits
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta, logits_indices: Tensor,
+                inputs_embeds: Tensor | None = None) -> Tensor:
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds is not supported with tensor_parallel_size > 1")
+        self.workers.send_all(("forward", (input_ids, positions, meta, logits_indices)))
+        t0 = time.perf_counter()
+        _, logits = self.workers.recv(0)
+        self.comm_wait_s += time.perf_counter() - t0
+        return logits
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            self.workers.send_all(("swap_out", mapping))
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            self.workers.send_all(("swap_in", mapping))
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        if mapping:
+            self.workers.send_all(("copy_blocks", mapping))
+
+    def rank_stats(self) -> list[dict]:
+        """Per rank: all-reduces done, seconds inside all_reduce, forwards, seconds in forward."""
+        self.workers.send_all(("stats", None))
+        return [self.workers.recv(r)[1] for r in range(self.tp_size)]
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
