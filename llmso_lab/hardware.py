@@ -1,4 +1,4 @@
-"""Accelerator table, this machine's measured ceilings, and roofline helpers used across the labs.
+"""Accelerator and interconnect (Link) tables, this machine's measured ceilings, and roofline helpers used across the labs.
 
 Units: FLOP/s, bytes/s, bytes, seconds. Peak numbers are vendor datasheet figures for *dense* BF16
 tensor-core math (no 2:4 sparsity), the number a serving engineer should plan with.
@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 __all__ = [
-    "Accelerator", "ACCELERATORS", "get_accelerator", "set_lab_threads", "measure_cpu", "measure_matmul",
+    "Accelerator", "ACCELERATORS", "get_accelerator", "Link", "LINKS", "get_link", "set_lab_threads", "measure_cpu", "measure_matmul",
     "cpu_flags", "native_matmul", "auto_dtype", "bf16_matmul_speedup", "precision_speedup",
     "matmul_flops", "matmul_arithmetic_intensity", "ridge_point", "attainable_flops", "compute_bound_tokens",
     "roofline_time", "kv_bytes_per_token", "kv_cache_bytes", "mla_kv_bytes_per_token", "mla_kv_cache_bytes",
@@ -64,6 +64,62 @@ def get_accelerator(name: str) -> Accelerator:
         if key.lower() == name.lower():
             return acc
     raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A GPU-to-GPU (or node-to-node) link in the alpha-beta model: a message of b bytes takes
+    `latency + b / bandwidth` seconds (`llmso_lab.sim.comm` builds collectives from such messages)."""
+
+    name: str
+    bandwidth: float    # bytes/s per direction, per GPU (a ring sends and receives at once)
+    latency: float      # seconds per message: the fixed cost even an empty message pays
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth > 0 and self.latency >= 0):
+            raise ValueError(f"link {self.name!r}: bandwidth must be > 0 bytes/s and latency >= 0 s, "
+                             f"got {self.bandwidth!r} and {self.latency!r}")
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds for one message of `nbytes` bytes: latency + nbytes / bandwidth."""
+        return self.latency + nbytes / self.bandwidth
+
+
+# Bandwidths are per direction per GPU, from the vendor or standard's line rate. Latencies are ORDER-OF-MAGNITUDE
+# figures per message (one step of a ring collective), not measurements of any one system:
+# - NVLink: nccl-tests ring all_reduce of a few bytes takes ~34 us on 8 A100s, 14 ring steps of ~2.4 us each, without
+#   CUDA graphs (NVIDIA/nccl-tests#123), and ~0.5 us on 4 H800s with CUDA graphs (NVIDIA/nccl#1984); serving engines
+#   replay CUDA graphs, so 1 us.
+# - PCIe: nccl-tests all_reduce of 8 B on 8 RTX 3090s over PCIe takes ~54 us, ~3.9 us per ring step without CUDA
+#   graphs (NVIDIA/nccl#1439): 3 us.
+# - InfiniBand: ~1-2 us MPI ping-pong over RDMA (OSU latency benchmark class numbers, ~0.6 us per switch port);
+#   NCCL's network proxy adds a few us: 5 us.
+# - Ethernet with TCP: the kernel's TCP/IP stack costs tens of us per message (20-50 us typical): 30 us, whatever the
+#   line rate (small messages pay the stack, not the wire).
+LINKS: dict[str, Link] = {
+    # NVIDIA H100 datasheet: NVLink 900 GB/s total = 450 GB/s per direction per GPU (NVLink 4, through NVSwitch).
+    "NVLink4": Link("NVLink4", 450 * G, 1e-6),
+    # NVIDIA A100 datasheet: NVLink 600 GB/s total = 300 GB/s per direction per GPU (NVLink 3).
+    "NVLink3": Link("NVLink3", 300 * G, 1e-6),
+    # PCI-SIG: PCIe 5.0 x16 = 32 GT/s x 16 lanes, 128b/130b encoding: ~63 GB/s per direction (NVIDIA quotes 64 GB/s).
+    "PCIe5": Link("PCIe5", 64 * G, 3e-6),
+    # PCI-SIG: PCIe 4.0 x16 = 16 GT/s x 16 lanes: ~32 GB/s per direction.
+    "PCIe4": Link("PCIe4", 32 * G, 3e-6),
+    # InfiniBand NDR (NVIDIA ConnectX-7 / Quantum-2): 400 Gb/s = 50 GB/s per direction, one NIC per GPU (DGX H100).
+    "IB-NDR": Link("IB-NDR", 50 * G, 5e-6),
+    # IEEE 802.3 100 Gigabit Ethernet: 100 Gb/s = 12.5 GB/s per direction, TCP (NCCL's socket transport, or gloo).
+    "100GbE": Link("100GbE", 12.5 * G, 30e-6),
+    # IEEE 802.3 25 Gigabit Ethernet: 25 Gb/s = 3.125 GB/s per direction, TCP.
+    "25GbE": Link("25GbE", 3.125 * G, 30e-6),
+}
+
+
+def get_link(name: str) -> Link:
+    """Look up a link by name (case-insensitive)."""
+    for key, link in LINKS.items():
+        if key.lower() == name.lower():
+            return link
+    raise ValueError(f"unknown link {name!r}; known: {', '.join(LINKS)}")
 
 
 def set_lab_threads(num_threads: int | None = None) -> int:
