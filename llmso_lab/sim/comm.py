@@ -120,13 +120,10 @@ def tp_comm_bytes_per_step(shape: ModelShape, tp: int, num_tokens: int, dtype_by
 
 
 def pipeline_bubble(num_stages: int, num_microbatches: int) -> float:
-    """Fraction of GPU time a pipeline of p stages idles on a batch of m micro-batches started from empty
-    (GPipe): (p - 1) / (m + p - 1). The batch takes m + p - 1 stage-slots, of which each stage works m.
-    1 stage -> 0; m = 1 -> (p - 1) / p."""
-    p, m = num_stages, num_microbatches
-    if not (isinstance(p, int) and isinstance(m, int) and p >= 1 and m >= 1):
-        raise ValueError(f"num_stages and num_microbatches must be ints >= 1, got {p!r} and {m!r}")
-    return (p - 1) / (m + p - 1)
+    """GPipe's bubble (p - 1) / (m + p - 1): `llmso_lab.parallel.pipeline.bubble_fraction`, where the real pipeline
+    measures it."""
+    from llmso_lab.parallel.pipeline import bubble_fraction
+    return bubble_fraction(num_stages, num_microbatches)
 
 
 def ep_dispatch_bytes(num_tokens: int, top_k: int, hidden_size: int, dtype_bytes: float = 2) -> float:
