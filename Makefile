@@ -34,7 +34,7 @@ demo: setup
 
 # Unit tests, grading tests, then every solution notebook top to bottom (nbval, outputs not compared).
 test: setup
-	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra tests
+	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra --durations=25 tests
 	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra --nbval-lax --nbval-current-env -p no:cacheprovider solutions
 
 test-fast: setup
