@@ -33,6 +33,34 @@ def test_every_lab_totals_100_points_with_public_and_hidden_checks(lab):
     assert lab in LAB_OF, f"lab {lab} has exercises but no solutions/{lab}_*.ipynb"
 
 
+@pytest.mark.parametrize("lab", labs())
+def test_case_arguments_reach_the_students_process_unchanged(lab, tmp_path):
+    """The grader sends each case with `protocol.send`; the child reads it with `recv(..., argument_classes())`
+    (plain data and protocol.ARGUMENT_CLASSES only). A case that does not survive that kills the child instead of
+    failing a check."""
+    import os
+
+    from llmso_lab.grading.protocol import argument_classes, recv, send
+
+    path = tmp_path / "case.bin"
+    for e in exercises(lab):
+        for c in e.cases:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                send(fd, {"args": list(c.args), "kwargs": dict(c.kwargs)})
+            finally:
+                os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                back = recv(fd, classes=argument_classes())
+            except ValueError as exc:
+                raise AssertionError(f"{e.key} / {c.label}: {exc}") from None
+            finally:
+                os.close(fd)
+            assert [type(a) for a in back["args"]] == [type(a) for a in c.args], (e.key, c.label)
+            assert set(back["kwargs"]) == set(c.kwargs), (e.key, c.label)
+
+
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
 def test_solution_notebook_scores_full_marks(path):
     res = grade_notebook(path)

@@ -79,7 +79,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from llmso_lab.grading.protocol import attempt, describe, recv, send
+    from llmso_lab.grading.protocol import argument_classes, attempt, describe, recv, send
     from llmso_lab.grading.registry import Case
     from llmso_lab.grading.tripwire import disable
 
@@ -100,9 +100,10 @@ def main() -> None:
     send(wfd, {"cell_error": cell_error, "problem": problem})
     if target is None:
         return
+    classes = argument_classes()   # e.g. hardware.Link: case arguments that are not plain data
     while True:
         try:
-            msg = recv(rfd)
+            msg = recv(rfd, classes=classes)
         except EOFError:
             return
         if msg.get("done"):

@@ -4,9 +4,10 @@
 `verdict()`. So `check()` and the grade agree by construction.
 
 Messages are length-prefixed `torch.save` payloads over pipes, read back with `torch.load(weights_only=True)`
-(plain data only, nothing executable) and refused above `MAX_MESSAGE` bytes. The grader sends one case at a
-time, public cases first, and sends the next only after the previous result came back: the student's process
-never holds a list of the hidden cases.
+(plain data only, nothing executable) and refused above `MAX_MESSAGE` bytes; the cases the grader sends may
+also hold the library value classes of `ARGUMENT_CLASSES`, what the student's process sends back may not. The
+grader sends one case at a time, public cases first, and sends the next only after the previous result came
+back: the student's process never holds a list of the hidden cases.
 """
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ import select
 import struct
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from llmso_lab.grading.compare import guard, to_plain
-from llmso_lab.grading.registry import Case, Exercise, run_case
+from llmso_lab.grading.registry import Case, Exercise, resolve, run_case
 
 MAX_MESSAGE = 64 * 2**20
+# Library classes a case argument may hold besides plain data: frozen dataclasses of names and numbers, which an
+# exercise takes as they are (Lab 08's `allreduce_time(nbytes, n, link)` reads `link.bandwidth`). Only the student's
+# side loads them, from the grader; the grader reads a student's results as plain data only.
+ARGUMENT_CLASSES = ("llmso_lab.hardware:Link",)
 _HEADER = struct.Struct(">Q")
 
 # Hidden checks report only these fixed reasons: nothing the student's code says reaches the student.
@@ -77,14 +82,20 @@ def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def recv(fd: int, deadline: float = float("inf"), limit: int = MAX_MESSAGE) -> Any:
+def argument_classes() -> list[type]:
+    """The classes of `ARGUMENT_CLASSES` (for `recv(..., classes=...)` on the student's side)."""
+    return [resolve(path) for path in ARGUMENT_CLASSES]
+
+
+def recv(fd: int, deadline: float = float("inf"), limit: int = MAX_MESSAGE, classes: Sequence[type] = ()) -> Any:
     """One message. Raises TimeoutError (deadline passed), EOFError (the other side closed) or ValueError
-    (too large, or not plain data)."""
+    (too large, or not plain data). `classes`: library classes allowed besides plain data (`argument_classes`)."""
     (n,) = _HEADER.unpack(_read_exactly(fd, _HEADER.size, deadline))
     if n > limit:
         raise ValueError(f"the result is too large to read back ({n / 2**20:.0f} MB; the limit is {limit / 2**20:.0f} MB)")
     try:
-        return torch.load(io.BytesIO(_read_exactly(fd, n, deadline)), weights_only=True)
+        with torch.serialization.safe_globals(list(classes)):
+            return torch.load(io.BytesIO(_read_exactly(fd, n, deadline)), weights_only=True)
     except (EOFError, TimeoutError):
         raise
     except Exception as exc:   # not loadable as plain data

@@ -11,8 +11,9 @@ Where cases live, and the one way to write them:
   `hidden("NN", {"exercise_name": [(args, kwargs), ...], ...})`. Each case uses the exercise's comparator;
   give a `Case(..., hidden=True)` instead of a tuple when one needs its own comparator or method calls.
 - arguments must be plain data that survives `torch.load(weights_only=True)` (tensors, numbers, strings,
-  None, lists, tuples, dicts): they travel to the student's sandboxed process that way. Each call gets a
-  deep copy, so a function that mutates its inputs cannot change the case for the next check.
+  None, lists, tuples, dicts), or instances of the few library value classes `protocol.ARGUMENT_CLASSES` lists
+  (`hardware.Link`): they travel to the student's sandboxed process that way. Each call gets a deep copy, so a
+  function that mutates its inputs cannot change the case for the next check.
 
 Exercise names are unique across all labs (`register` refuses a duplicate); `get_exercise` also takes
 "labNN/name". Every reference and tripwire must be something `tripwire` can disable, or `register` refuses it.
