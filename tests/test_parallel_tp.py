@@ -128,3 +128,29 @@ def test_one_mlp_sharded_by_torch_tensor_parallel_equals_ours():
     for ours, theirs in launch(parallel_ranks.dtensor_mlp, 2, (mlp, x)):
         torch.testing.assert_close(ours, full, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(theirs, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_greedy_tokens_equal_tp1_or_diverge_only_at_a_near_tie():
+    """SmolLM2 (9 query / 3 KV heads) at TP 3: the all-reduce sums three partials in another order than one matmul,
+    so logits differ in the last bits. Greedy tokens must match; where they do not, TP 1's top-2 logit gap at the
+    first divergence must be a near-tie (< 1e-3), which is then reported, not hidden."""
+    from llmso_lab.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:"]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in LLM(model, tok, max_model_len=128).generate(prompts, greedy)]
+    with LLM(model, tok, max_model_len=128, tensor_parallel_size=3) as llm:
+        three = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert llm.stats()["tp_all_reduces_per_rank"] == 60 * llm.stats()["tp_num_forwards"]
+    for prompt, a, b in zip(prompts, one, three):
+        if a == b:
+            continue
+        pos = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        ids = torch.tensor([tok.encode(prompt) + a[:pos]])
+        with torch.no_grad():
+            top2 = model(ids).logits[0, -1].float().topk(2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < 1e-3, f"{prompt!r}: TP 3 diverged at token {pos} where TP 1's top-2 gap is {gap:.3g} (not a near-tie)"
+        print(f"near-tie: {prompt!r} diverges at token {pos}, top-2 gap {gap:.2e}")
