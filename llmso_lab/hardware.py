@@ -238,7 +238,7 @@ def auto_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
     speed = bf16_matmul_speedup()
     measured = ", ".join(f"{m} row{'s' if m > 1 else ''} {x:.1f}x" for m, x in speed.items())
     if speed[16] > 1 and speed[256] > 1:
-        note = "" if speed[1] > 1 else "; but 1 row (batch-1 decode) is slower in bf16: its matrix-vector kernel loses"
+        note = "" if speed[1] >= 0.9 else "; but 1 row (batch-1 decode) is slower in bf16: its matrix-vector kernel loses"
         return torch.bfloat16, f"bfloat16: {why}; bf16 matmuls measured vs fp32: {measured}{note}"
     return torch.float32, f"float32: {why}, but bf16 matmuls measured slower than fp32 ({measured})"
 
@@ -246,15 +246,25 @@ def auto_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
 def bf16_matmul_speedup(rows: Sequence[int] = (1, 16, 256), k: int = 1024, n: int = 2048,
                         budget_s: float = 0.02) -> dict[int, float]:
     """fp32 time / bf16 time of `[rows, k] @ [k, n]` for each row count (best of a few runs each): > 1 means
-    bf16 is faster. About 0.1 s."""
+    bf16 is faster. bf16 runs the kernel the engine uses: oneDNN with the weight prepacked where available
+    (`engine.model_runner.OneDNNLinear`; the plain bf16 `mm` takes a slow matrix-vector path for few rows), else
+    `torch.mm`. About 0.1 s."""
+    from llmso_lab.engine.model_runner import OneDNNLinear
+
+    packed = OneDNNLinear.available(torch.bfloat16, torch.device("cpu"))
     out = {}
     for m in rows:
-        t = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-            c = torch.empty(m, n, dtype=dtype)
-            t[dtype] = _best_seconds(lambda: torch.mm(a, b, out=c), budget_s)
-        out[m] = t[torch.float32] / t[torch.bfloat16]
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        c = torch.empty(m, n)
+        fp32 = _best_seconds(lambda: torch.mm(a, b, out=c), budget_s)
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        if packed:
+            w = OneDNNLinear(b16)
+            bf16 = _best_seconds(lambda: w(a16), budget_s)
+        else:
+            c16 = torch.empty(m, n, dtype=torch.bfloat16)
+            bf16 = _best_seconds(lambda: torch.mm(a16, b16, out=c16), budget_s)
+        out[m] = fp32 / bf16
     return out
 
 

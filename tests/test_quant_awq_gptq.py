@@ -218,7 +218,8 @@ def test_smollm2_awq_and_gptq_beat_rtn_in_perplexity():
     """Score the eval text's first 1024 tokens (windows of 512); calibrate on tokens 1024.. (disjoint), in rows of
     128. Asymmetric groups of 64: a grid the checkpoint's own Q4_1 blocks (asymmetric, groups of 32) do not align
     with, so RTN loses something (at groups of 32, asymmetric 4-bit RTN gives the fp32 weights back exactly).
-    Measured (fp32 17.44): 4-bit RTN 24.1, AWQ 19.9; 3-bit RTN 135, AWQ 36, GPTQ 76. About 90 s on 2 idle cores."""
+    Measured (fp32 17.44): 4-bit RTN 24.1, AWQ 19.9; 3-bit RTN 135, AWQ 36, GPTQ 76. 3 bits only here (about 60 s on
+    2 idle cores); `llmso-lab bench quant` measures 4 bits on the whole eval text."""
     from llmso_lab.models import load_model
     from llmso_lab.quality import eval_token_ids, perplexity
 
@@ -235,7 +236,7 @@ def test_smollm2_awq_and_gptq_beat_rtn_in_perplexity():
             mods[n].weight.data.copy_(orig[n])
 
     ppl, seconds = {}, {}
-    for bits in (4, 3):
+    for bits in (3,):
         for n in names:
             mods[n].weight.data.copy_(fake_quantize(orig[n], bits, **kw))
         ppl["rtn", bits] = perplexity(model, scored, 512)
@@ -252,6 +253,5 @@ def test_smollm2_awq_and_gptq_beat_rtn_in_perplexity():
     ppl["gptq", 3] = perplexity(model, scored, 512)
     restore()
     print({f"{m}{b}": round(p, 2) for (m, b), p in ppl.items()}, {f"{m}{b}": round(t) for (m, b), t in seconds.items()})
-    assert ppl["awq", 4] < 0.9 * ppl["rtn", 4]
     assert ppl["awq", 3] < 0.5 * ppl["rtn", 3]
     assert ppl["gptq", 3] < 0.8 * ppl["rtn", 3]

@@ -212,6 +212,8 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
                   "fp32_over_bf16_ttft_p50": ttft["float32"][0] / ttft["bfloat16"][0],
                   "fp32_over_bf16_ttft_p99": ttft["float32"][1] / ttft["bfloat16"][1],
                   "bf16_tokens_equal_vs_fp32": b["tokens_equal_vs_fp32"]}
+        if chat:   # real chat prompts: far fewer near-ties than the workload's random-token prompts
+            ratios["bf16_chat_tokens_equal_vs_fp32"] = chat["engine bf16 vs engine fp32"]["tokens_equal"]
         ratios = {k: round(v, 3) for k, v in ratios.items()}
     return {"name": "precision", "table": rows, "ratios": ratios, "device": _device_name(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -81,6 +81,34 @@ def linear(x: Tensor, w_t, bias: Tensor | None = None) -> Tensor:
     return x @ w_t if bias is None else torch.addmm(bias, x, w_t)
 
 
+class OneDNNLinear:
+    """A bf16 weight prepacked once for oneDNN's linear kernel (what PyTorch's CPU compiler emits for bf16 linears):
+    x [T, in] -> [T, out]. On CPUs with AMX / AVX512-BF16 the plain `x @ w` in bf16 takes a slow matrix-vector path
+    for a few rows (batch-1 decode ran at half fp32's speed although it reads half the bytes); the packed kernel
+    does not (`llmso-lab bench precision` measures both). Built only where `available()`."""
+
+    def __init__(self, w_t: Tensor) -> None:
+        self.shape, self.dtype = tuple(w_t.shape), w_t.dtype   # [in, out], as the engine's other weights
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w_t.t().contiguous(), 1)   # [out, in], blocked layout
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    @staticmethod
+    def available(dtype: torch.dtype, device: torch.device) -> bool:
+        """bf16 on a CPU that multiplies bf16 natively, with PyTorch's oneDNN build."""
+        return (dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hw.native_matmul(dtype, "cpu")[0])
+
+
 def rope_cos_sin(config, max_positions: int) -> tuple[Tensor, Tensor]:
     """cos/sin tables [max_positions, D] in fp32, as HF's rotary embedding computes them."""
     params = getattr(config, "rope_parameters", None)
@@ -229,6 +257,10 @@ class ModelRunner(BatchBuilder):
             self.lm_head = _t(model.get_output_embeddings().weight, self.dtype)       # [hidden, V] (a copy even when tied)
             if config.quantization:
                 self._quantize_weights(config.quantization, config.quantization_group_size)
+            elif self.mla is None and OneDNNLinear.available(self.dtype, self.device):
+                for w in self.layers:
+                    w.qkv, w.o, w.gate_up, w.down = (OneDNNLinear(m) for m in (w.qkv, w.o, w.gate_up, w.down))
+                self.lm_head = OneDNNLinear(self.lm_head)
             cos, sin = rope_cos_sin(cfg, max_model_len)
             half = sin.shape[-1] // 2
             sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)                   # signed for apply_rope
