@@ -195,6 +195,10 @@ class Workers:
         secondary = ("Connection reset", "Connection closed", "gloo/transport", "Timed out waiting")
         first = min(errors, key=lambda r: (any(s in errors[r] for s in secondary), r))
         others = "".join(f"\n(rank {r} failed too: {e.strip().splitlines()[-1]})" for r, e in errors.items() if r != first)
+        dead = [r for r, p in enumerate(self.procs) if r not in errors and p.exitcode not in (None, 0)]
+        if dead and any(s in errors[first] for s in secondary):   # a rank died silently and took its peers down
+            self._fail(dead[0], f"died (exit code {self.procs[dead[0]].exitcode})\n(rank {first} failed too: "
+                                f"{errors[first].strip().splitlines()[-1]}){others}")
         self._fail(first, f"raised:\n{errors[first]}{others}")
 
     def recv_all(self, timeout_s: float | None = None) -> list[Any]:
