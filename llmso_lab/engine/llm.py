@@ -465,13 +465,8 @@ class LLM:
         """Run `prompts` to completion; returns their outputs, in prompt order. All inputs are checked before any
         is queued. Requests queued earlier with `add_request` are served alongside; those that finish here are
         not in the result (vLLM's `generate` would mix them in) but kept: the next `step()` returns them."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts, params = as_batch(prompts, sampling_params)
         n = len(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * n
         priority = [0] * n if priority is None else list(priority)
         if len(params) != n or len(priority) != n:
             raise ValueError(f"got {n} prompts, {len(params)} sampling_params and {len(priority)} priorities; give one each")
@@ -552,6 +547,18 @@ class LLM:
         return {"spec_num_steps": steps, "spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
                 "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
                 "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
+
+
+def as_batch(prompts, sampling_params) -> tuple[list, list]:
+    """`generate`'s inputs as two lists: one prompt (text, token ids or a dict) becomes a list of one, and one
+    SamplingParams (or None: the defaults) is repeated for every prompt. Raises ValueError for what is neither."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    prompts = list(prompts)
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+    return prompts, params
 
 
 def _resolve_model(model, tokenizer):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from llmso_lab.engine.llm import as_batch
 from llmso_lab.engine.outputs import RequestOutput
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.parallel.launcher import RankError, Workers
@@ -106,13 +107,8 @@ class DataParallelLLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Route each prompt, run every replica's share at the same time, return the outputs in prompt order.
         Raises ValueError for bad input (the replicas keep running), RankError if a replica fails."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts, params = as_batch(prompts, sampling_params)
         n = len(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * n
         if len(params) != n:
             raise ValueError(f"got {n} prompts and {len(params)} sampling_params; give one each")
         if not all(isinstance(p, SamplingParams) for p in params):
