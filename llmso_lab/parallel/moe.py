@@ -232,7 +232,7 @@ def ep_rank_forward(rank: int, world_size: int, jobs: Sequence[tuple]) -> list[t
     """Rank side of `expert_parallel_forward`, for several jobs in one launch. Each job is
     (model class, config, state_dict, input_ids [B, S], capacity_factor); this rank rebuilds the model, swaps
     every layer's MoE block for an `ExpertParallelMoE`, and runs its B / world_size sequences.
-    Returns per job ((local logits as fp32 numpy, their dtype), [MoELayerStats per layer])."""
+    Returns per job (local logits, [MoELayerStats per layer])."""
     results = []
     for cls, config, state, input_ids, capacity_factor in jobs:
         model = cls(config)
@@ -243,10 +243,8 @@ def ep_rank_forward(rank: int, world_size: int, jobs: Sequence[tuple]) -> list[t
         b = input_ids.shape[0] // world_size
         with torch.no_grad():
             logits = model(input_ids[rank * b:(rank + 1) * b]).logits
-        # numpy travels by value; a returned tensor would be shared through a file descriptor that can
-        # close with this rank before the parent reads it
         stats = [layer.mlp.stats[-1] for layer in model.model.layers]
-        results.append(((logits.float().numpy(), logits.dtype), stats))
+        results.append((logits, stats))   # the launcher pickles results by value
     return results
 
 
@@ -254,7 +252,7 @@ def gather_ep(per_rank: Sequence[list]) -> list[tuple[torch.Tensor, list[MoELaye
     """Parent side: concatenate the ranks' logits in rank order and merge their stats, per job."""
     out = []
     for job in zip(*per_rank):
-        logits = torch.cat([torch.from_numpy(r[0][0]).to(r[0][1]) for r in job])
+        logits = torch.cat([r[0] for r in job])
         stats = [MoELayerStats.merge(layer) for layer in zip(*(r[1] for r in job))]
         out.append((logits, stats))
     return out

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -83,10 +82,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
 
 
-def ring_rank(rank: int, world_size: int, cases: Sequence[tuple]) -> list[tuple[np.ndarray, dict]]:
+def ring_rank(rank: int, world_size: int, cases: Sequence[tuple]) -> list[tuple[torch.Tensor, dict]]:
     """Rank side of `ring_attention`, for several cases in one launch; each case is (q, k, v, split) with the
-    full tensors (each rank slices its own part). Returns per case (o of this rank's positions as fp32
-    numpy, stats)."""
+    full tensors (each rank slices its own part). Returns per case (o of this rank's positions, fp32,
+    stats)."""
     nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
     results = []
     for q_full, k_full, v_full, split in cases:
@@ -118,7 +117,7 @@ def ring_rank(rank: int, world_size: int, cases: Sequence[tuple]) -> list[tuple[
                 req.wait()
             if pending:
                 kv = incoming
-        results.append((o.numpy(), stats))   # fp32 numpy travels by value (see moe.ep_rank_forward)
+        results.append((o, stats))
     return results
 
 
@@ -129,7 +128,7 @@ def gather_ring(per_rank: Sequence[list], cases: Sequence[tuple]) -> list[tuple[
         world_size = len(per_rank)
         o = torch.empty_like(q)
         for pos, rank_result in zip(_positions(q.shape[1], world_size, split), per_rank):
-            o[:, pos] = torch.from_numpy(rank_result[i][0]).to(q.dtype)
+            o[:, pos] = rank_result[i][0].to(q.dtype)
         stats = {key: [r[i][1][key] for r in per_rank] for key in per_rank[0][i][1]}
         out.append((o, stats))
     return out
