@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from llmso_lab.hardware import LINKS, Accelerator, Link, get_accelerator, get_link
@@ -32,7 +32,7 @@ __all__ = [
     "send_time", "allreduce_time", "allgather_time", "all_to_all_time",
     "tp_allreduces_per_token", "tp_comm_bytes_per_step", "pipeline_bubble", "ep_dispatch_bytes", "ep_comm_time",
     "kv_transfer_time", "min_gpus",
-    "Topology", "Layout", "ParallelStep", "decode_step", "prefill_step", "EPStep", "ep_decode_step",
+    "Topology", "Layout", "ParallelStep", "decode_step", "prefill_step", "EPStep", "ep_decode_step", "TPCost",
     "plan", "tp_link_table", "plot_tp_link_chart",
     "fit_link", "link_from_allreduce", "measure_gloo_allreduce", "measure_gloo_link",
 ]
@@ -395,6 +395,74 @@ def ep_decode_step(cost: StepCost, ep: int, link: Link, batch: int, context_len:
     compute = cost.time_of(flops, dense + touched / ep + kv)
     comm = ep_comm_time(m, ep, local, link, act_bytes)
     return EPStep(ep, batch, compute, comm, compute + comm)
+
+
+# ---- one serving instance as a TP group: a cost model for the simulators ------------------------------------------
+@dataclass(slots=True)
+class TPCost:
+    """A cost model (`sim.cost.CostModel`) for an instance of `tp` GPUs joined by `link`: one rank's roofline over
+    its shard plus the all-reduces of every layer, for any mix of prefill and decode. It is `sim.comm`'s TP model
+    (`_shard_cost`, which tests compare it with) with the model's constants computed once: the PD simulator
+    (`sim.disagg`) calls it every step."""
+
+    cost: StepCost                          # one GPU running the whole model
+    tp: int = 1
+    link: Link = LINKS["NVLink4"]
+    act_bytes: float = 2                    # bytes per activation element in the all-reduces
+    _k: tuple = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        m = self.cost.model
+        Layout(tp=self.tp).check(m, Topology(self.tp, 1, self.link, self.link))   # the heads must split tp ways
+        dense = None if m.num_experts else m.weight_bytes_read(1, self.cost.dtype_bytes)
+        self._k = (2 * m.body_matmul_params(), 2 * m.head_params, m.attention_flops(1), dense,
+                   self.cost.kv_bytes_per_token * _kv_fraction(m, self.tp), tp_allreduces_per_token(m.num_layers))
+
+    @property
+    def model(self) -> ModelShape:
+        return self.cost.model
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The whole model's KV bytes per token (all ranks together)."""
+        return self.cost.kv_bytes_per_token
+
+    def step_time(self, prefill: Sequence[tuple[int, int]] = (), decode: Sequence[int] = ()) -> float:
+        """Seconds of one step (`StepCost.work`'s counts: `prefill` (new, cached) chunks, `decode` contexts)."""
+        if not prefill and not decode:
+            return 0.0
+        tokens = sum(n for n, _ in prefill) + len(decode)
+        pairs = sum(n * p + n * (n + 1) // 2 for n, p in prefill) + sum(decode)     # query-key pairs
+        kv_tokens = sum(n + p for n, p in prefill) + sum(decode)
+        return self._time(tokens, len(prefill) + len(decode), pairs, kv_tokens)
+
+    def decode_time(self, num_seqs: int, sum_context: int) -> float:
+        """A decode step from its totals: `num_seqs` sequences whose contexts sum to `sum_context`."""
+        return self._time(num_seqs, num_seqs, sum_context, sum_context) if num_seqs else 0.0
+
+    def _time(self, tokens: int, seqs: int, pairs: int, kv_tokens: int) -> float:
+        body2, head2, attn1, dense, kv_rank, num_ar = self._k
+        flops = body2 * tokens + head2 * seqs + attn1 * pairs
+        weights = dense if dense is not None else self.model.weight_bytes_read(tokens, self.cost.dtype_bytes)
+        compute = self.cost.time_of(flops / self.tp, weights / self.tp + kv_tokens * kv_rank)
+        if self.tp == 1:
+            return compute
+        return compute + num_ar * allreduce_time(tokens * self.model.hidden_size * self.act_bytes, self.tp, self.link)
+
+    def swap_time(self, num_tokens: int) -> float:
+        return self.cost.swap_time(num_tokens) * _kv_fraction(self.model, self.tp)   # each rank over its own PCIe
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9) -> int | None:
+        """KV tokens that fit beside each rank's 1/tp of the weights; None when the hardware has no memory figure."""
+        hw, m = self.cost.hardware, self.model
+        if not hw.mem_bytes:
+            return None
+        free = hw.mem_bytes * gpu_memory_utilization - m.weight_bytes(self.cost.dtype_bytes) / self.tp
+        tokens = math.floor(free / (self.kv_bytes_per_token * _kv_fraction(m, self.tp)))
+        if tokens <= 0:
+            raise ValueError(f"{m.name}'s weights split {self.tp} ways do not fit {gpu_memory_utilization:.0%} of a "
+                             f"{hw.name}: use a larger tp")
+        return tokens
 
 
 # ---- the lecture's advice as a table ----------------------------------------------------------------------------
