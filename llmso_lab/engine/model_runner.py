@@ -277,6 +277,7 @@ class ModelRunner(BatchBuilder):
             self.v_swap = self.k_swap[..., :self.mla.latent_dim]
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
         self.cache_pairs = [(self.k_cache, self.k_swap)] + ([(self.v_cache, self.v_swap)] if self.mla is None else [])
+        self.kv_hook = None   # called with the layer index once that layer's KV is written (`llmso_lab.disagg`)
         self.last_hidden: Tensor | None = None   # the final-normed hidden states of the last forward's logits rows
         self.feature_cache = None   # EAGLE: every token's final-normed hidden state, paged like the KV cache
         if config.spec is not None and config.spec.method == "eagle":
@@ -337,10 +338,12 @@ class ModelRunner(BatchBuilder):
         cos = self.cos.index_select(0, positions)[:, None]                      # [T, 1, D]
         sin = self.sin.index_select(0, positions)[:, None]
         self.backend.plan(meta)
-        for w, (k_cache, v_cache) in zip(self.layers, self.layer_caches):
+        for i, (w, (k_cache, v_cache)) in enumerate(zip(self.layers, self.layer_caches)):
             x = rms_norm(h, w.input_norm, self.eps)
             if w.mla is not None:
                 h = h + mla_layer(x, w.mla, self.mla, self.backend, k_cache, v_cache, meta, cos, sin, rms_norm, apply_rope)
+                if self.kv_hook is not None:
+                    self.kv_hook(i)
                 x = rms_norm(h, w.post_norm, self.eps)
                 gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
                 h = h + linear(F.silu(gate) * up, w.down, w.down_bias)
@@ -350,6 +353,8 @@ class ModelRunner(BatchBuilder):
             q, k = qk[:, :H], qk[:, H:]                                      # [T, H, D], [T, Hkv, D]
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
             self.backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+            if self.kv_hook is not None:   # disaggregation: layer i's KV is complete, ship it while i + 1 computes
+                self.kv_hook(i)
             o = self.backend.forward(q, k, v, k_cache, v_cache, meta, w.sliding_window)  # [T, H, D]
             h = h + self.all_reduce(linear(o.reshape(T, H * D), w.o, w.o_bias))   # TP: sum the ranks' partials
             x = rms_norm(h, w.post_norm, self.eps)

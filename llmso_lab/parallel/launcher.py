@@ -153,21 +153,39 @@ class Workers:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._fail(rank, f"no reply within {limit:.0f} s; all ranks were stopped")
-            live = [p.sentinel for p in self.procs if p.exitcode is None]
-            ready = connection.wait([c for r, c in enumerate(self.conns) if r not in self.eof] + live,
-                                    timeout=min(left, 1.0))
-            for r, c in enumerate(self.conns):
-                if c in ready:
-                    self._read(r)
-            for r, p in enumerate(self.procs):
-                if p.exitcode not in (None, 0) or (r == rank and r in self.eof and not self.inbox[r]):
-                    self._fail(r, f"died (exit code {p.exitcode})")
+            self._pump(min(left, 1.0), rank)
         return self.inbox[rank].pop(0)
+
+    def recv_any(self, timeout_s: float) -> tuple[int, Any] | None:
+        """(rank, message) for the next message from any rank (lowest rank first when several wait), or None if
+        nothing comes within `timeout_s` (not a failure: the caller may have other things to do). Raises
+        RankError if a rank fails or dies."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for r, box in enumerate(self.inbox):
+                if box:
+                    return r, box.pop(0)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._pump(min(left, 1.0))
+
+    def _pump(self, timeout: float, rank: int | None = None) -> None:
+        """Wait up to `timeout` s for messages and file them in the inboxes; fail if a rank died (or `rank`
+        closed its pipe without the reply it owes)."""
+        live = [p.sentinel for p in self.procs if p.exitcode is None]
+        ready = connection.wait([c for r, c in enumerate(self.conns) if r not in self.eof] + live, timeout=timeout)
+        for r, c in enumerate(self.conns):
+            if c in ready:
+                self._read(r)
+        for r, p in enumerate(self.procs):
+            if p.exitcode not in (None, 0) or (r == rank and r in self.eof and not self.inbox[r]):
+                self._fail(r, f"died (exit code {p.exitcode})")
 
     def _read(self, r: int) -> None:
         try:
             msg = self.conns[r].recv()
-        except EOFError:   # the rank closed its end: fine once it exited cleanly, unless it still owes a reply
+        except (EOFError, ConnectionResetError):   # the rank closed its end (or was killed mid-message): fine once it exited cleanly, unless it still owes a reply
             self.eof.add(r)
             self.procs[r].join(1.0)
             if self.procs[r].exitcode != 0:
