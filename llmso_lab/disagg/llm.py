@@ -6,7 +6,7 @@ import time
 
 from llmso_lab.disagg.router import LOCAL, pd_route
 from llmso_lab.disagg.worker import Job, serve
-from llmso_lab.engine.llm import _eos_token_ids, _resolve_model, as_batch
+from llmso_lab.engine.llm import _eos_token_ids, _resolve_model, as_batch, prompt_token_ids
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.parallel.launcher import RankError, Workers
@@ -89,17 +89,7 @@ class DisaggregatedLLM:
         params.verify()
         if params.n != 1:
             raise ValueError(f"n={params.n}: DisaggregatedLLM serves one completion per request (use n=1)")
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass tokenizer=... or {'prompt_token_ids': [...]}")
-            text, ids = prompt, list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
+        ids, text = prompt_token_ids(prompt, self.tokenizer)
         vocab = self.model.config.vocab_size
         if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"a prompt needs at least one token id, each an int in [0, {vocab})")

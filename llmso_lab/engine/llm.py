@@ -122,17 +122,7 @@ class LLM:
             raise ValueError(f"n={params.n} needs batching='continuous' (a static batch cannot grow by forking)")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass tokenizer=... or {'prompt_token_ids': [...]}")
-            text, ids = prompt, list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
+        ids, text = prompt_token_ids(prompt, self.tokenizer)
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
         if len(ids) > self.max_model_len:
@@ -547,6 +537,20 @@ class LLM:
         return {"spec_num_steps": steps, "spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
                 "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
                 "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
+
+
+def prompt_token_ids(prompt, tokenizer) -> tuple[list[int], str | None]:
+    """(token ids, text or None) of one prompt: a string (needs `tokenizer`), a list of token ids, or
+    {'prompt_token_ids': [...], 'prompt': optional text}. Raises ValueError for anything else."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass tokenizer=... or {'prompt_token_ids': [...]}")
+        return list(tokenizer.encode(prompt)), prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return list(prompt), None
+    raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
 
 
 def as_batch(prompts, sampling_params) -> tuple[list, list]:
