@@ -35,7 +35,7 @@ demo: setup
 # Unit tests, grading tests, then every solution notebook top to bottom (nbval, outputs not compared).
 test: setup
 	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra --durations=25 tests
-	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra --nbval-lax --nbval-current-env -p no:cacheprovider solutions
+	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra --nbval-lax --nbval-current-env -p no:cacheprovider --durations=15 solutions
 
 test-fast: setup
 	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -m "not slow" tests
