@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["streaming_keep", "h2o_keep", "snapkv_keep", "pyramid_budgets", "METHODS", "compress_prefill",
-           "greedy_continue", "generate_compressed"]
+           "greedy_continue", "generate_compressed", "continuation_nll"]
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
 
@@ -231,6 +231,16 @@ def compress_prefill(model, input_ids: torch.Tensor, method: str, budget: int, w
     return cache, out.logits[0, -1]
 
 
+def _uneven(model, cache) -> bool:
+    """True when the cache's layers hold different lengths (PyramidKV); such a cache is fed one token at a time."""
+    lengths = {cache.get_seq_length(i) for i in range(len(cache.layers))}
+    if len(lengths) > 1 and model.config._attn_implementation != "sdpa":
+        raise ValueError(f"the cache's layers hold different lengths {sorted(lengths)} (PyramidKV): decoding needs "
+                         f"attn_implementation='sdpa', which builds no mask for one-token queries; call "
+                         f"model.set_attn_implementation('sdpa') (now {model.config._attn_implementation!r})")
+    return len(lengths) > 1
+
+
 @torch.no_grad()
 def greedy_continue(model, cache, input_ids: torch.Tensor, start_position: int, max_new_tokens: int,
                     eos_token_id: int | None = None) -> list[int]:
@@ -243,12 +253,7 @@ def greedy_continue(model, cache, input_ids: torch.Tensor, start_position: int, 
     (eager attention adds the layer-0-sized mask even for one query; SDPA skips it).
     """
     kw = _cache_kw(model)
-    lengths = {cache.get_seq_length(i) for i in range(len(cache.layers))}
-    if len(lengths) > 1 and model.config._attn_implementation != "sdpa":
-        raise ValueError(f"the cache's layers hold different lengths {sorted(lengths)} (PyramidKV): decoding needs "
-                         f"attn_implementation='sdpa', which builds no mask for one-token queries; call "
-                         f"model.set_attn_implementation('sdpa') (now {model.config._attn_implementation!r})")
-    chunks = [input_ids] if len(lengths) == 1 else list(input_ids.split(1, dim=1))
+    chunks = list(input_ids.split(1, dim=1)) if _uneven(model, cache) else [input_ids]
     pos = start_position
     for chunk in chunks:
         position_ids = torch.arange(pos, pos + chunk.shape[1])[None]
@@ -285,3 +290,26 @@ def generate_compressed(model, context_ids: torch.Tensor, question_ids: torch.Te
                                          eos_token_id)
     cache, _ = compress_prefill(model, context_ids, method, budget, **kw)
     return greedy_continue(model, cache, question_ids, context_ids.shape[1], max_new_tokens, eos_token_id)
+
+
+@torch.no_grad()
+def continuation_nll(model, cache, last_logits: torch.Tensor, cont_ids: torch.Tensor, start_position: int) -> tuple[float, int]:
+    """Teacher-forced negative log-likelihood (natural log, summed) of `cont_ids` [1, n] following a (compressed)
+    context cache: token 0 is scored by the context's `last_logits` [vocab], tokens 1..n-1 by feeding the
+    continuation at its original positions `start_position..`. Returns (nll_sum, n). Perplexity over several
+    windows: exp(sum of nll_sum / sum of n). A cache whose layers hold different lengths (PyramidKV) is fed
+    one token at a time (see `greedy_continue`)."""
+    kw = _cache_kw(model)
+    n = cont_ids.shape[1]
+    nll = F.cross_entropy(last_logits.float()[None], cont_ids[0, :1], reduction="sum").item()
+    if n == 1:
+        return nll, 1
+    feed = cont_ids[:, :-1]
+    chunks = list(feed.split(1, dim=1)) if _uneven(model, cache) else [feed]
+    pos, logits = start_position, []
+    for chunk in chunks:
+        position_ids = torch.arange(pos, pos + chunk.shape[1])[None]
+        logits.append(model(input_ids=chunk, position_ids=position_ids, use_cache=True, **{kw: cache}).logits[0])
+        pos += chunk.shape[1]
+    nll += F.cross_entropy(torch.cat(logits).float(), cont_ids[0, 1:], reduction="sum").item()
+    return nll, n

@@ -47,7 +47,7 @@ from llmso_lab.quant.w8a8 import FP8_FORMATS, to_fp8
 
 __all__ = ["KVFormat", "KV_FORMATS", "quantize_fp8", "dequantize_fp8", "quantize_int8", "dequantize_int8",
            "AsymQuantized", "quantize_asym", "kivi_quantize_keys", "kivi_quantize_values", "kivi_fake_quantize",
-           "QuantizedPagedKV", "kv_bytes_per_token"]
+           "QuantizedPagedKV", "kv_bytes_per_token", "roundtrip_kv"]
 
 META_DTYPE = torch.float16   # scales / zero points of the per-token and per-group formats
 
@@ -377,3 +377,23 @@ def kv_bytes_per_token(kv_cache_dtype: str, num_kv_heads: int, head_dim: int, nu
     store = QuantizedPagedKV(kv_cache_dtype, num_layers, 1, block_size, num_kv_heads, head_dim, dtype,
                              num_window_blocks=0)
     return store.bytes_per_token()
+
+
+def roundtrip_kv(kv_cache_dtype: str, k: Tensor, v: Tensor, block_size: int = 16, residual_length: int = 32,
+                 fp8_scales: str = "tensor") -> tuple[Tensor, Tensor]:
+    """What the paged store gives back for one layer's sequence k, v [T, Hkv, D] once it is all written: the same
+    `QuantizedPagedKV` the engine uses, in one layer, with the tokens in consecutive blocks. FP8 scales are
+    calibrated on this k, v (static scales fitted to the data: the best case for FP8); KIVI commits every block
+    that has left the last `residual_length` tokens (which stay exact). Returns fp32 (k_hat, v_hat)."""
+    T, H, D = k.shape
+    kivi = kv_cache_dtype.startswith("kivi")
+    nb = -(-T // block_size)
+    store = QuantizedPagedKV(kv_cache_dtype, 1, nb, block_size, H, D, torch.float32, fp8_scales=fp8_scales,
+                             residual_length=residual_length if kivi else 0)
+    if kv_cache_dtype.startswith("fp8"):
+        store.calibrate(0, k, v)
+    table = torch.arange(nb)
+    store.write(0, torch.arange(T), k.float(), v.float())
+    if kivi:
+        store.commit(table, T)
+    return store.read(0, table, T)
