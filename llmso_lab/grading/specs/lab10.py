@@ -23,7 +23,7 @@ from llmso_lab.grading.compare import close, exact
 from llmso_lab.grading.registry import Case, Exercise, register
 from llmso_lab.grading.specs.lab06 import RTN_CODE
 
-# fp32 rounding only: one quantization step (>= 0.1 on these inputs) on any element fails
+# fp32 rounding only: one quantization step (1e-3 and up on these inputs, 8-bit included) on any element fails
 fp32 = close(atol=1e-5, rtol=1e-5)
 same = exact()   # index tensors (value, shape and dtype int64) and lists of ints
 MARGIN = 1e-4    # KIVI: |frac((x - zero) / scale) - 0.5| > MARGIN; keep-sets: the kept and the dropped differ by more
