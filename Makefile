@@ -2,13 +2,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PEERS  ?= .venv-peers
+KVPRESS ?= .venv-kvpress
 PY     := $(VENV)/bin/python
 # torch is installed first and pinned: on a CPU-only host pip takes the 2.13.0 CPU wheel (fast, small);
 # on a GPU host the same pin pulls PyPI's default CUDA build. Override with `make setup TORCH_SPEC=...`.
 TORCH_SPEC ?= torch==2.13.0
 export TRITON_INTERPRET ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 0 || echo 1)
 
-.PHONY: setup demo test test-fast lab release gpu-bench clean
+.PHONY: setup peers-kvpress demo test test-fast lab release gpu-bench clean
 
 setup: $(VENV)/.installed $(PEERS)/.installed
 
@@ -19,6 +20,21 @@ $(PEERS)/.installed: $(VENV)/.installed
 	echo "import site; site.addsitedir('$$($(PY) -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")')" \
 		> $$($(PEERS)/bin/python -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")/llmso_lab_main_venv.pth
 	$(PEERS)/bin/python -m pip install --quiet --no-deps "torchao==0.18.0"
+	@touch $@
+
+# NVIDIA kvpress, the peer of `bench kv-compress` (Lab 10), in a venv of its own: kvpress 0.5.5 pins
+# transformers < 5.3 and the project uses 5.x, so this venv does not see the main one (no llmso_lab inside);
+# llmso_lab/bench/kvpress_runner.py runs llmso_lab/bench/kvpress_peer.py in it as a subprocess. Not part of
+# `make setup` (optional, ~1.4 GB): run `make peers-kvpress` once. Same torch pin as the main venv (TORCH_SPEC).
+peers-kvpress: $(KVPRESS)/.installed
+
+$(KVPRESS)/.installed:
+	@test -x $(KVPRESS)/bin/python || $(PYTHON) -m venv $(KVPRESS)
+	$(KVPRESS)/bin/python -m pip install --quiet --upgrade pip
+	$(KVPRESS)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(KVPRESS)/bin/python -m pip install --quiet "$(TORCH_SPEC)" "kvpress==0.5.5"
+	$(KVPRESS)/bin/python -c "import torch, transformers, kvpress, importlib.metadata as m; \
+		print('kvpress', m.version('kvpress'), 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -52,4 +68,4 @@ gpu-bench: setup
 	$(VENV)/bin/llmso-lab bench w4a16 --json data/gpu_results/w4a16-$(GPU_NAME).json
 
 clean:
-	rm -rf $(VENV) $(PEERS) out dist .pytest_cache
+	rm -rf $(VENV) $(PEERS) $(KVPRESS) out dist .pytest_cache
