@@ -107,6 +107,13 @@ def test_selection_picks_the_top_deviations():
             b = blend(MODEL, PREFIX, CHUNKS, QUESTION, ratio, on=on)
             assert (b.selected - P).tolist() == select_tokens(layer_dev, ratio).tolist()
             assert b.recompute_fraction == pytest.approx(int(ratio * 21 + 0.5) / 21)
+    # the random control selects as many tokens, others than the top deviations (for a seed), all of them at 1
+    b, r = blend(MODEL, PREFIX, CHUNKS, QUESTION, 0.2), blend(MODEL, PREFIX, CHUNKS, QUESTION, 0.2, select="random")
+    assert r.selected.numel() == b.selected.numel() and r.selected.tolist() != b.selected.tolist()
+    torch.testing.assert_close(blend(MODEL, PREFIX, CHUNKS, QUESTION, 1.0, select="random").logits,
+                               full_prefill(MODEL, IDS)[1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="select"):
+        blend(MODEL, PREFIX, CHUNKS, QUESTION, 0.2, select="top")
     # a direct check of kv_deviation: relative L2 over heads and dims, per token
     new, old = torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g)
     want = [float((new[0, :, t] - old[0, :, t]).norm() / new[0, :, t].norm()) for t in range(5)]

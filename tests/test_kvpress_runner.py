@@ -62,6 +62,9 @@ def test_job_file_round_trip(tmp_path):
     assert back["cases"][0] == {"name": "depth=0.5", "context": NEEDLES[0].context, "question": NEEDLES[0].question,
                                 "answer": "4821"}
     assert back["cases"][2]["answer"] == "7"   # answers travel as text
+    # two needles at one depth (two lengths) get distinct names
+    twice = kr.make_job(NEEDLES[:1] * 2, ["SnapKVPress"], [0.5], model_dir=tmp_path)
+    assert [c["name"] for c in twice["cases"]] == ["depth=0.5", "depth=0.5#1"]
     assert back["model_dir"] == str(tmp_path / "model") and back["ratios"] == [0.5, 0.9]
     assert back["presses"][1] == {"name": "PyramidKVPress", "kwargs": {"window_size": 32}}
     assert back["perplexity"] == [{"name": "ppl0", "context": "A b c.", "continuation": " D e f."}]
@@ -75,7 +78,7 @@ def test_job_file_round_trip(tmp_path):
     ({"modes": ["question-aware"]}, "modes must be among"),
     ({"cases": [{"context": "x", "answer": "1"}]}, "lacks"),
     ({"cases": ["just text"]}, "pass a Needle"),
-    ({"cases": NEEDLES[:1] * 2}, "unique"),
+    ({"cases": [{"name": "a", "context": "x", "question": "q", "answer": "1"}] * 2}, "unique"),
     ({"cases": [], "perplexity": []}, "nothing to run"),
     ({"perplexity": [{"context": "x"}]}, "continuation"),
     ({"max_new_tokens": 0}, "max_new_tokens"),

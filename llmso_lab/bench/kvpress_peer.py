@@ -72,7 +72,10 @@ def make_press(spec, ratio: float):
 
 
 def press_name(spec) -> str:
-    return spec if isinstance(spec, str) else spec["name"]
+    """The class name, with its non-default arguments when the spec gives some: "SnapKVPress(window_size=16)"."""
+    if isinstance(spec, str) or not spec.get("kwargs"):
+        return spec if isinstance(spec, str) else spec["name"]
+    return spec["name"] + "(" + ", ".join(f"{k}={v}" for k, v in spec["kwargs"].items()) + ")"
 
 
 def _press_ctx(press, model):

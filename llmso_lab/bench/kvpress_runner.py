@@ -51,6 +51,19 @@ def _case_dict(case, i: int) -> dict:
             "answer": case.answer}
 
 
+def _case_dicts(cases: Sequence) -> list[dict]:
+    """`_case_dict` of every case; needles at the same depth (e.g. two lengths) are told apart as "depth=0.5#1"."""
+    out, seen = [], {}
+    for i, c in enumerate(cases):
+        d = _case_dict(c, i)
+        if not isinstance(c, dict):
+            k = seen[d["name"]] = seen.get(d["name"], -1) + 1
+            if k:
+                d["name"] += f"#{k}"
+        out.append(d)
+    return out
+
+
 def make_job(cases: Sequence, presses: Sequence[str], ratios: Sequence[float], *, model_dir: str | Path,
              modes: Sequence[str] = ("agnostic",), perplexity: Sequence[dict] = (), max_new_tokens: int = 8,
              threads: int = 1) -> dict:
@@ -73,7 +86,7 @@ def make_job(cases: Sequence, presses: Sequence[str], ratios: Sequence[float], *
             raise ValueError(f"perplexity case {i} must be a dict with context and continuation texts")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    names = [_case_dict(c, i) for i, c in enumerate(cases)]
+    names = _case_dicts(cases)
     if len({c["name"] for c in names}) != len(names):
         raise ValueError(f"case names must be unique, got {[c['name'] for c in names]}")
     return {"model_dir": str(model_dir), "cases": names, "presses": list(presses),
@@ -98,7 +111,7 @@ def parse_result(text: str, cases: Sequence = ()) -> dict:
     result = json.loads(text)
     if not isinstance(result, dict) or not isinstance(result.get("rows"), list) or "versions" not in result:
         raise ValueError("not a kvpress peer result: expected a JSON object with 'versions' and 'rows'")
-    needles = {_case_dict(c, i)["name"]: c for i, c in enumerate(cases) if not isinstance(c, dict)}
+    needles = {d["name"]: c for d, c in zip(_case_dicts(cases), cases) if not isinstance(c, dict)}
     for row in result["rows"]:
         if "error" in row or row.get("case") not in needles:
             continue

@@ -135,16 +135,20 @@ def _layer_flops(shape: ModelShape, full_positions: torch.Tensor, kv_only: int =
 
 @torch.no_grad()
 def blend(model, prefix_ids: torch.Tensor, chunk_ids: list[torch.Tensor], question_ids: torch.Tensor,
-          ratio: float, chunk_kv: list | None = None, select_layer: int = 1, on: str = "v") -> BlendResult:
+          ratio: float, chunk_kv: list | None = None, select_layer: int = 1, on: str = "v",
+          select: str = "deviation", seed: int = 0) -> BlendResult:
     """Prefill [prefix][chunks][question] from stored chunk KVs, recomputing the `ratio` most deviating chunk
     tokens (module docstring). `chunk_kv[i]`: `prefill_kv(model, chunk_ids[i])` (computed here when None), stored
     at positions 0..n-1 and re-rotated into place. The prefix (a shared system prompt: ordinary prefix caching) is
-    exact. `on`: select by the deviation of "v" (CacheBlend's choice) or "k"."""
+    exact. `on`: select by the deviation of "v" (CacheBlend's choice) or "k". `select="random"`: the same number
+    of chunk tokens drawn at random (seeded), the control showing that choosing by deviation is what helps."""
     _check_ids("prefix_ids", prefix_ids)
     _check_ids("question_ids", question_ids, allow_empty=False)
     for c in chunk_ids:
         _check_ids("each chunk", c, allow_empty=False)
     L = model.config.num_hidden_layers
+    if select not in ("deviation", "random"):
+        raise ValueError(f"select must be 'deviation' or 'random', got {select!r}")
     if not 0 <= select_layer < L or on not in ("k", "v"):
         raise ValueError(f"need 0 <= select_layer < {L} (1 is CacheBlend's) and on in ('k', 'v'), got "
                          f"{select_layer}, {on!r}")
@@ -179,6 +183,8 @@ def blend(model, prefix_ids: torch.Tensor, chunk_ids: list[torch.Tensor], questi
             in_chunk = active < chunk_end
             new, old = (vs, V[l]) if on == "v" else (ks, K[l])
             dev = kv_deviation(new[:, :, in_chunk], old[:, :, active[in_chunk]])
+            if select == "random":
+                dev = torch.rand(dev.shape, generator=torch.Generator().manual_seed(seed))
             keep = torch.cat([select_tokens(dev, ratio), (~in_chunk).nonzero()[:, 0]])
             flops += _layer_flops(shape, torch.empty(0), kv_only=len(active) - len(keep))
             selected = active[keep[: len(keep) - q]]
