@@ -178,9 +178,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
     row after cached tokens (its padding would shift the bottom-right causal alignment).
     A quantized cache (`kv_cache_dtype`): INT8 decodes dequantize inside the paged kernel (int8 codes and the
     fp16 scale of each (token, head) loaded, multiplied in registers); FP8 and KIVI decodes dequantize the blocks
-    the batch reads first and run the plain kernel on them (the interpreter has no FP8 loads, KIVI's packed
-    2/4-bit codes and per-channel key grids would need a kernel of their own). Prefills read the gathered blocks
-    dequantized, as the torch backend does.
+    the batch reads first (torch) and run the plain kernel on them: simpler, at the cost of writing and reading
+    those blocks once more (KIVI's packed 2/4-bit codes and per-channel key grids would need a kernel of their
+    own). Prefills read the gathered blocks dequantized, as the torch backend does.
     """
 
     name = "triton"
