@@ -15,7 +15,6 @@ range saturate, and the engine's outputs then depend on which requests came firs
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from llmso_lab.kv.quant import QuantizedPagedKV
@@ -90,7 +89,3 @@ def kivi_window_blocks(max_num_seqs: int, max_num_batched_tokens: int, block_siz
     prefill chunk that starts inside a block, the blocks of one step's prefill tokens, and the null block (the
     padding slot)."""
     return max_num_seqs * (residual_length // block_size + 2) + -(-max_num_batched_tokens // block_size) + 1
-
-
-def is_fp8(t: Tensor) -> bool:
-    return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
