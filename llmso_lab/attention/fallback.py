@@ -36,9 +36,13 @@ def flash_decoding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_splits
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Torch fallback of triton_paged.paged_decode_attention (num_splits does not change the result)."""
     warn_fallback("paged_decode_attention")
+    if k_scale is not None:   # an int8 cache: dequantize it whole
+        k_cache = (k_cache.float() * k_scale.float()[..., None]).to(q.dtype)
+        v_cache = (v_cache.float() * v_scale.float()[..., None]).to(q.dtype)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale=scale)
 
 

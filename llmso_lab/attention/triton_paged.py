@@ -23,10 +23,10 @@ __all__ = ["paged_decode_attention"]
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, K_cache, V_cache, block_tables, context_lens, O_part, LSE_part,
+    Q, K_cache, V_cache, K_scale, V_scale, block_tables, context_lens, O_part, LSE_part,
     stride_qb, stride_qh, stride_kblk, stride_kslot, stride_kh, stride_vblk, stride_vslot, stride_vh,
-    stride_bt, qk_scale, num_kv_heads, group_size, head_dim, num_splits,
-    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    stride_sblk, stride_sslot, stride_bt, qk_scale, num_kv_heads, group_size, head_dim, num_splits,
+    PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, INT8_KV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_bkv = tl.program_id(0)
@@ -59,9 +59,15 @@ def _paged_decode_kernel(
         v_rows = block_id.to(tl.int64) * stride_vblk + slot * stride_vslot + kvh * stride_vh
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(K_cache + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(V_cache + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if INT8_KV:  # int8 codes x the fp16 scale of their (token, KV head): dequantized in registers
+            s_rows = block_id.to(tl.int64) * stride_sblk + slot * stride_sslot + kvh  # [BLOCK_N]
+            k_s = tl.load(K_scale + s_rows, mask=valid, other=0.0).to(tl.float32)
+            v_s = tl.load(V_scale + s_rows, mask=valid, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.load(V_cache + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = online_softmax_tile(m_i, l_i, acc, s, v, PRECISION)
 
     o, lse = finalize_tile(m_i, l_i, acc)  # an empty chunk (or context) gives o = 0, lse = -inf
@@ -72,13 +78,22 @@ def _paged_decode_kernel(
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged KV cache.
 
     q [B, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] (any block size); block_tables int32
     [B, max_blocks]; context_lens int32 [B] -> o [B, H, D]. A zero-length context gives zeros.
     num_splits: chunks of each context processed in parallel (None: from the SM count; 1 on CPU).
+    k_scale/v_scale [num_blocks, block_size, Hkv] (an INT8 KV cache, `kv.quant`): the caches hold int8 codes and
+    K = code * k_scale per (token, head); the kernel dequantizes what it loads.
     """
+    int8_kv = k_scale is not None
+    if int8_kv:
+        assert k_cache.dtype == v_cache.dtype == torch.int8 and v_scale is not None, "an int8 cache needs both scales"
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride(), \
+            f"scales {tuple(k_scale.shape)} must be [num_blocks, block_size, Hkv] = {tuple(k_cache.shape[:3])}"
+        assert k_scale.stride(-1) == 1, "the scales' head dim must be contiguous"
     B, H, D = q.shape
     num_blocks, page_size, Hkv, Dk = k_cache.shape
     assert k_cache.shape == v_cache.shape and Dk == D, \
@@ -86,7 +101,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert H % Hkv == 0, f"{H} query heads are not a multiple of {Hkv} KV heads"
     assert block_tables.shape[0] == B and context_lens.shape == (B,), \
         f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} must have batch {B}"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+    assert int8_kv or q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "the head dim must be contiguous"
     check_kernel_inputs(_paged_decode_kernel, q, k_cache, v_cache)
     block_tables = block_tables.to(device=q.device, dtype=torch.int32)
@@ -101,12 +116,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lse_part = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
     block_n = 64 if q.is_cuda else block_size_for(triton.cdiv(max_context, num_splits), 64)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k_s, v_s = (k_scale, v_scale) if int8_kv else (k_cache, v_cache)   # unused without INT8_KV
     _paged_decode_kernel[(B * Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o_part, lse_part,
+        q, k_cache, v_cache, k_s, v_s, block_tables, context_lens, o_part, lse_part,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_s.stride(0), k_s.stride(1), block_tables.stride(0),
         scale * LOG2E, Hkv, G, D, num_splits,
-        PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
+        PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype), INT8_KV=int8_kv,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
     return combine_splits(o_part, lse_part, B, H, num_splits, q.dtype)[0]

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmso_lab.engine.decode_groups import GROUP_COST_BLOCKS, DecodeGroup, plan_decode_groups
+from llmso_lab.engine.kv_cache import LayerKV
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -70,7 +71,11 @@ class TorchAttentionBackend:
         return self._memo[key]
 
     def store_kvcache(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-        """k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T]."""
+        """k, v: [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T]. A quantized cache
+        (`engine.kv_cache.LayerKV`) compresses them as it stores them."""
+        if isinstance(k_cache, LayerKV):
+            k_cache.write(slot_mapping, k, v)
+            return
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
         if not self.latent:
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
@@ -171,6 +176,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
     - MLA (a latent cache): decodes by `mla_paged_decode_attention`, prefills on the torch path.
     The torch path remains for what the kernels do not cover: sliding windows, and a right-padded static
     row after cached tokens (its padding would shift the bottom-right causal alignment).
+    A quantized cache (`kv_cache_dtype`): INT8 decodes dequantize inside the paged kernel (int8 codes and the
+    fp16 scale of each (token, head) loaded, multiplied in registers); FP8 and KIVI decodes dequantize the blocks
+    the batch reads first (torch) and run the plain kernel on them: simpler, at the cost of writing and reading
+    those blocks once more (KIVI's packed 2/4-bit codes and per-channel key grids would need a kernel of their
+    own). Prefills read the gathered blocks dequantized, as the torch backend does.
     """
 
     name = "triton"
@@ -189,7 +199,16 @@ class TritonAttentionBackend(TorchAttentionBackend):
         B = q.shape[0]
         if self.latent:   # MLA: one load of each latent tile serves as K and V for every head
             return self._mla(q, k_cache, meta.block_tables[:B], meta.context_lens[:B], self.v_head_dim, self.scale)
-        return self._paged(q, k_cache, v_cache, meta.block_tables[:B], meta.context_lens[:B], scale=self.scale)
+        tables = meta.block_tables[:B]
+        if isinstance(k_cache, LayerKV):
+            if k_cache.format == "int8":   # the kernel loads int8 codes + fp16 scales and dequantizes in registers
+                return self._paged(q, k_cache.codes(), v_cache.codes(), tables, meta.context_lens[:B], scale=self.scale,
+                                   k_scale=k_cache.scales(), v_scale=v_cache.scales())
+            # fp8 / KIVI: dequantize the blocks this batch reads into a small dense cache, run the plain kernel on it
+            used, tables = torch.unique(tables, return_inverse=True)
+            k_cache, v_cache = k_cache.index_select(0, used), v_cache.index_select(0, used)
+            tables = tables.to(torch.int32)
+        return self._paged(q, k_cache, v_cache, tables, meta.context_lens[:B], scale=self.scale)
 
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  meta: AttentionMetadata, i: int, window: int | None) -> Tensor:

@@ -11,7 +11,9 @@ import torch
 
 from llmso_lab import hardware as hw
 from llmso_lab.engine.attention import ATTENTION_BACKENDS
-from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block
+from llmso_lab.engine.kv_cache import kivi_window_blocks
+from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block, kv_cache_fixed_bytes
+from llmso_lab.kv.quant import KV_FORMATS
 from llmso_lab.kv.block_manager import PREFIX_CACHING_ALGOS, cdiv
 from llmso_lab.policies import POLICIES
 from llmso_lab.spec.config import SpeculativeConfig
@@ -47,6 +49,11 @@ class EngineConfig:
     speculative_config: dict | None = None    # {"method": "ngram" | "draft_model" | ..., "num_speculative_tokens": k, ...}
     tensor_parallel_size: int = 1             # ranks (processes) that each hold 1/N of every layer (`parallel.tensor`)
     tp_timeout_s: float = 300.0               # a TP rank that does not answer within this many seconds fails the engine
+    kv_cache_dtype: str = "auto"              # "auto" | "fp8_e4m3" | "fp8_e5m2" | "int8" | "kivi4" | "kivi2" (`kv.quant`)
+    kv_fp8_scales: str = "tensor"             # fp8: a static scale per layer ("tensor") or per layer and KV head ("head")
+    calculate_kv_scales: bool = False         # fp8: scales from the first forward's K/V (vLLM's name); False: 1.0
+    kivi_residual_length: int = 32            # kivi: recent tokens kept in full precision (a multiple of block_size)
+    kivi_window_blocks: int = field(default=0, init=False)              # kivi: the full-precision window pool's blocks
     quantization_group_size: int = field(default=0, init=False)         # int4's group, parsed from `quantization`
     spec: SpeculativeConfig | None = field(default=None, init=False)    # `speculative_config`, checked
     num_speculative_tokens: int = field(default=0, init=False)          # k (0: no speculative decoding)
@@ -78,11 +85,42 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        self._check_kv_cache_dtype()
+
+    def _check_kv_cache_dtype(self) -> None:
+        """kv_cache_dtype and its options; the features a quantized cache is not wired into refuse it."""
+        kv = self.kv_cache_dtype
+        if kv not in KV_FORMATS:
+            raise ValueError(f"unknown kv_cache_dtype {kv!r}; valid: {', '.join(KV_FORMATS)}")
+        if self.kv_fp8_scales not in ("tensor", "head"):
+            raise ValueError(f"unknown kv_fp8_scales {self.kv_fp8_scales!r}; valid: tensor, head")
+        if kv == "auto":
+            return
+        r, bs = self.kivi_residual_length, self.block_size
+        if kv.startswith("kivi") and (not isinstance(r, int) or r < 0 or r % bs):
+            raise ValueError(f"kivi_residual_length must be a non-negative multiple of block_size ({bs}), got {r!r}: "
+                             "KIVI here quantizes whole blocks (one key group per block)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype={kv!r} with tensor_parallel_size > 1 is not supported here (the rank "
+                             "processes keep plain cache tensors); use kv_cache_dtype='auto' or one rank")
+        if self.spec is not None and (self.spec.method == "eagle" or kv.startswith("kivi")):
+            raise ValueError(f"kv_cache_dtype={kv!r} with speculative_config method {self.spec.method!r} is not "
+                             "supported (EAGLE's feature cache and KIVI's window are not rolled back with rejected "
+                             "drafts); use kv_cache_dtype='auto', or fp8 / int8 with ngram / draft_model drafting")
+        if kv.startswith("kivi") and self.preemption_mode == "swap":
+            raise ValueError(f"kv_cache_dtype={kv!r} with preemption_mode='swap' is not supported (a swapped block "
+                             "would have to carry its KIVI state: window or sealed); use preemption_mode='recompute'")
+        if kv.startswith("kivi") and self.enable_prefix_caching and self.prefix_caching_algo == "radix":
+            raise ValueError(f"kv_cache_dtype={kv!r} with prefix_caching_algo='radix' is not supported (the radix tree "
+                             "caches partly filled blocks, which KIVI cannot quantize as a key group); use 'hash'")
 
     def resolve(self, model_config, device: torch.device) -> None:
         """Fill in torch_dtype, max_model_len, num_kv_blocks and swap_space_blocks for this model on `device`;
         check they can work."""
         check_model_config(model_config)
+        if self.kv_cache_dtype != "auto" and model_config.model_type == "deepseek_v3":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is implemented for K/V caches, not MLA's latent "
+                             "cache; use kv_cache_dtype='auto' with MLA models")
         self.torch_dtype, self.dtype_reason = resolve_dtype(self.dtype, device, self.attention_backend)
         dtype = self.torch_dtype
         limit = model_config.max_position_embeddings
@@ -96,12 +134,21 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             check_tensor_parallel(model_config, self.tensor_parallel_size)
         per_seq = cdiv(self.max_model_len, self.block_size)   # blocks one max-length sequence needs
+        fixed = 0   # KIVI: the full-precision window pool, a fixed cost taken from the budget first
+        if self.kv_cache_dtype.startswith("kivi"):
+            self.kivi_window_blocks = kivi_window_blocks(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
+                                                         self.kivi_residual_length)
+            fixed = kv_cache_fixed_bytes(model_config, self.block_size, dtype, self.kv_cache_dtype,
+                                         self.kivi_window_blocks)
         if self.num_kv_blocks is None:   # kv_cache_memory_bytes is per rank (per GPU in vLLM): TP adds capacity
-            budget = self.kv_cache_memory_bytes // kv_cache_bytes_per_block(model_config, self.block_size, dtype,
-                                                                          self.tensor_parallel_size)
+            budget = max(0, self.kv_cache_memory_bytes - fixed) // kv_cache_bytes_per_block(
+                model_config, self.block_size, dtype, self.tensor_parallel_size, self.kv_cache_dtype)
             if budget < per_seq:
                 raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds {budget} blocks but one sequence "
-                                 f"of max_model_len={self.max_model_len} needs {per_seq}; raise it or lower max_model_len")
+                                 f"of max_model_len={self.max_model_len} needs {per_seq}"
+                                 + (f" (after the KIVI window pool's {fixed} bytes: {self.kivi_window_blocks} blocks for "
+                                    "max_num_seqs, kivi_residual_length and max_num_batched_tokens)" if fixed else "")
+                                 + "; raise it or lower max_model_len")
             self.num_kv_blocks = min(budget, self.max_num_seqs * per_seq)   # more could never be used
         if self.num_kv_blocks < per_seq:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} ({self.num_kv_blocks * self.block_size} tokens) cannot hold "

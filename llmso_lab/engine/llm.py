@@ -10,6 +10,7 @@ from torch import Tensor
 from llmso_lab.engine.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from llmso_lab.engine.config import EngineConfig
 from llmso_lab.engine.metrics import StepTrace
+from llmso_lab.engine.kv_cache import KiviBlockEvents
 from llmso_lab.engine.model_runner import ModelRunner
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
 from llmso_lab.engine.sampler import Sampler, sample_token
@@ -48,6 +49,15 @@ class LLM:
     (`llmso_lab.quant.weight_only`; W8A16 / W4A16, activations cast to bf16 for the kernel only). Decode reads
     4x / 8x fewer weight bytes than fp32; the embedding, norms and KV cache keep `dtype`.
 
+    Quantized KV cache (lecture 2-4): `kv_cache_dtype="fp8_e4m3" | "fp8_e5m2" | "int8" | "kivi4" | "kivi2"` (vLLM's
+    `--kv-cache-dtype`; "auto" = `dtype`) stores K/V compressed for real, codes with their scales
+    (`llmso_lab.kv.quant.QuantizedPagedKV`), and dequantizes on read (`engine.kv_cache`). `kv_cache_memory_bytes` is
+    divided by the compressed bytes per block, so the same budget holds more blocks. FP8 uses static scales, 1.0
+    unless `calculate_kv_scales=True` (then the first forward's absmax; `kv_fp8_scales="tensor" | "head"`); KIVI
+    keeps the last `kivi_residual_length` tokens in a full-precision window (a fixed cost, taken from the budget)
+    and quantizes a block once it leaves that window. Prefill attention over the prompt's own tokens uses their
+    exact K/V; what is read back from the cache is the dequantized form.
+
     Speculative decoding (lecture 2-1): `speculative_config={"method": "ngram" | "draft_model" | "medusa" | "eagle",
     "num_speculative_tokens": k, ...}` (vLLM's names; `llmso_lab.spec.config`). Each decoding sequence reserves k
     lookahead KV slots, a drafter fills them (`llmso_lab.spec.drafters`), the target computes its last token and the
@@ -76,7 +86,9 @@ class LLM:
                  kv_cache_memory_bytes: int = 1 << 30, sjf_predictor="oracle", sjf_aging: float = 0.0,
                  dtype: str | torch.dtype = "float32", share_kv_blocks: bool = True, prefix_caching_algo: str = "hash",
                  quantization: str | None = None, speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", kv_fp8_scales: str = "tensor",
+                 calculate_kv_scales: bool = False, kivi_residual_length: int = 32,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, batching=batching,
@@ -85,7 +97,12 @@ class LLM:
             preemption_mode=preemption_mode, swap_space_blocks=swap_space_blocks, attention_backend=attention_backend,
             seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes, sjf_predictor=sjf_predictor, sjf_aging=sjf_aging,
             dtype=dtype, share_kv_blocks=share_kv_blocks, prefix_caching_algo=prefix_caching_algo,
-            quantization=quantization, speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size)
+            quantization=quantization, speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
+            kv_cache_dtype=kv_cache_dtype, kv_fp8_scales=kv_fp8_scales, calculate_kv_scales=calculate_kv_scales,
+            kivi_residual_length=kivi_residual_length)
+        if kv_cache_dtype != "auto" and type(self) is not LLM:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is supported by LLM itself, not by {type(self).__name__} "
+                             "(disaggregation ships the plain K/V tensors between workers); use kv_cache_dtype='auto'")
         self.model, self.tokenizer = _resolve_model(model, tokenizer)
         c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
         self.max_model_len, self.seed, self.clock = c.max_model_len, seed, clock
@@ -98,6 +115,8 @@ class LLM:
             self.model_runner = TensorParallelExecutor(self.model, c)
         else:
             self.model_runner = ModelRunner(self.model, c)
+            if c.kv_cache_dtype.startswith("kivi"):   # KIVI blocks follow the block manager (window / sealed state)
+                self.block_manager.events = KiviBlockEvents(self.model_runner.kv_store)
         self.sampler = Sampler()
         self.drafter = None
         if c.spec is not None:
@@ -248,6 +267,7 @@ class LLM:
         now = self.clock()
         before = {item.seq.seq_id: item.seq.num_tokens for _, item in spec}
         self.scheduler.update(out, sampled, now)
+        self.model_runner.commit_kv(out)                     # KIVI: quantize the blocks that left the window
         self.num_generated_tokens += len(tokens) + sum(item.seq.num_tokens - before[item.seq.seq_id] for _, item in spec)
         for r, seq in enumerate(seqs):   # n > 1: the request's first token is sampled; fork the other samples
             for i in range(1, seq.num_pending_forks + 1):

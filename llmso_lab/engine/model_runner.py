@@ -22,7 +22,9 @@ from torch import Tensor
 
 from llmso_lab.engine.attention import AttentionMetadata, make_attention_backend
 from llmso_lab import hardware as hw
+from llmso_lab.engine.kv_cache import KiviBlockEvents, layer_caches
 from llmso_lab.engine.mla import MLAShape, MLAWeights, load_mla, mla_layer
+from llmso_lab.kv.quant import QuantizedPagedKV, kv_bytes_per_token
 
 if TYPE_CHECKING:
     from llmso_lab.engine.config import EngineConfig
@@ -218,6 +220,9 @@ class BatchBuilder:
                 inputs_embeds: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
+    def commit_kv(self, out: SchedulerOutput) -> None:
+        """After a step: settle the KV cache's state (a KIVI cache quantizes what left its window). Plain: nothing."""
+
 
 class ModelRunner(BatchBuilder):
     """Step 4 for one model: its weights, the paged KV cache and swap pool sized by the (resolved) `EngineConfig`."""
@@ -267,7 +272,10 @@ class ModelRunner(BatchBuilder):
             self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)   # [max_model_len, D]
         shape = (self.num_layers, num_kv_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
         swap_shape = (self.num_layers, config.swap_space_blocks, block_size, self.num_kv_heads, self.head_dim)
-        if self.mla is None:
+        self.kv_store: QuantizedPagedKV | None = None   # kv_cache_dtype != "auto": the compressed cache
+        if config.kv_cache_dtype != "auto":
+            self._quantized_kv_cache(config)
+        elif self.mla is None:
             self.k_cache, self.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
             self.k_swap, self.v_swap = (torch.zeros(swap_shape, dtype=self.dtype) for _ in range(2))   # host memory
         else:   # one latent tensor; the "V cache" is a view of its first r numbers (nothing stored twice)
@@ -275,8 +283,9 @@ class ModelRunner(BatchBuilder):
             self.v_cache = self.k_cache[..., :self.mla.latent_dim]
             self.k_swap = torch.zeros(swap_shape, dtype=self.dtype)
             self.v_swap = self.k_swap[..., :self.mla.latent_dim]
-        self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
-        self.cache_pairs = [(self.k_cache, self.k_swap)] + ([(self.v_cache, self.v_swap)] if self.mla is None else [])
+        if self.kv_store is None:
+            self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
+            self.cache_pairs = [(self.k_cache, self.k_swap)] + ([(self.v_cache, self.v_swap)] if self.mla is None else [])
         self.kv_hook = None   # called with the layer index once that layer's KV is written (`llmso_lab.disagg`)
         self.last_hidden: Tensor | None = None   # the final-normed hidden states of the last forward's logits rows
         self.feature_cache = None   # EAGLE: every token's final-normed hidden state, paged like the KV cache
@@ -285,6 +294,30 @@ class ModelRunner(BatchBuilder):
             self.feature_cache = torch.zeros(1, num_kv_blocks + 1, block_size, hidden, dtype=self.dtype, device=self.device)
             self.cache_pairs.append((self.feature_cache, torch.zeros(1, config.swap_space_blocks, block_size, hidden,
                                                                     dtype=self.dtype)))
+
+    def _quantized_kv_cache(self, config: EngineConfig) -> None:
+        """The cache as a `QuantizedPagedKV` (codes + scales, `engine.kv_cache`) instead of plain K/V tensors: the backends get
+        per-layer `LayerKV` objects, swapping and copy-on-write copy every per-block tensor (codes AND scales)."""
+        kivi = config.kv_cache_dtype.startswith("kivi")
+        self.k_cache = self.v_cache = self.k_swap = self.v_swap = None
+        self.kv_store = QuantizedPagedKV(
+            config.kv_cache_dtype, self.num_layers, self.null_block + 1, self.block_size, self.num_kv_heads,
+            self.head_dim, self.dtype, fp8_scales=config.kv_fp8_scales, device=self.device,
+            residual_length=config.kivi_residual_length if kivi else 0,
+            num_window_blocks=config.kivi_window_blocks if kivi else None)
+        self.layer_caches = layer_caches(self.kv_store, config.calculate_kv_scales)
+        raw = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in self.kv_store.per_block.values()]  # fp8: bytes
+        self.cache_pairs = [(t, torch.zeros((t.shape[0], config.swap_space_blocks, *t.shape[2:]), dtype=t.dtype))
+                            for t in raw]
+
+    def commit_kv(self, out: SchedulerOutput) -> None:
+        """After a step (KIVI): quantize the blocks of the sequences that advanced once they leave the window."""
+        if self.kv_store is None or not self.kv_store.fmt.name.startswith("kivi"):
+            return
+        for item in out.scheduled:
+            seq = item.seq
+            if not item.idle and seq.block_table:
+                self.kv_store.commit(torch.tensor(seq.block_table), seq.num_computed_tokens)
 
     def _load_layer(self, layer, window: int | None, mla: MLAShape | None = None) -> LayerWeights:
         dtype = self.dtype
@@ -395,7 +428,9 @@ class ModelRunner(BatchBuilder):
     @torch.inference_mode()
     def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy device blocks to device blocks, mapping [(source block, destination block)]."""
-        if mapping:
+        if mapping and self.kv_store is not None:   # every per-block tensor, and KIVI's window / sealed state
+            self.kv_store.copy_blocks(mapping)
+        elif mapping:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*mapping))
             for cache, _ in self.cache_pairs:
                 cache.index_copy_(1, dst, cache.index_select(1, src))
@@ -433,16 +468,33 @@ def sliding_windows(cfg, max_model_len: int) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types] if types else [window] * cfg.num_hidden_layers
 
 
-def kv_cache_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+def kv_cache_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one KV block (`block_size` tokens, every layer) on one rank: `hardware.kv_cache_bytes` over the
     rank's KV heads (`parallel.heads.shard_heads` at tensor-parallel size `tp`), or its MLA form (one latent
-    [c_kv, k_pe] per token and layer, no separate V)."""
+    [c_kv, k_pe] per token and layer, no separate V). A quantized `kv_cache_dtype`: what the store's own per-block
+    tensors (codes, scales, zero points) take (`kv.quant.kv_bytes_per_token`)."""
     elem = torch.tensor([], dtype=dtype).element_size()
+    if kv_cache_dtype != "auto":
+        per_token = kv_bytes_per_token(kv_cache_dtype, cfg.num_key_value_heads, _head_dim(cfg), cfg.num_hidden_layers,
+                                       block_size, dtype)
+        return round(per_token * block_size)
     if cfg.model_type == "deepseek_v3":
         return hw.mla_kv_cache_bytes(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, elem, block_size)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = _head_dim(cfg)
     kv_heads = cfg.num_key_value_heads
     if tp > 1:
         from llmso_lab.parallel.heads import shard_heads
         kv_heads = shard_heads(cfg.num_attention_heads, kv_heads, tp).kv_heads_per_rank
     return hw.kv_cache_bytes(cfg.num_hidden_layers, kv_heads, head_dim, elem, block_size)
+
+
+def kv_cache_fixed_bytes(cfg, block_size: int, dtype: torch.dtype, kv_cache_dtype: str, num_window_blocks: int) -> int:
+    """Bytes of a quantized cache that do not grow with its blocks (KIVI's window pool, FP8's static scales),
+    measured on a store built on the meta device (no memory)."""
+    store = QuantizedPagedKV(kv_cache_dtype, cfg.num_hidden_layers, 1, block_size, cfg.num_key_value_heads,
+                             _head_dim(cfg), dtype, num_window_blocks=num_window_blocks, device="meta")
+    return store.fixed_bytes()
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

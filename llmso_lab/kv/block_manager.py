@@ -127,6 +127,7 @@ class BlockManager:
         self.num_hit_tokens = 0
         self.num_evictions = 0
         self.num_cow_copies = 0        # blocks copied because a sequence wrote into a shared one
+        self.events = None   # told released(block, cached) / reused(block): a KIVI KV cache (`engine.kv_cache`)
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -168,6 +169,8 @@ class BlockManager:
                     self.free_block_ids.move_to_end(other, last=False)
             self.num_evictions += 1
         block.ref_count = 1
+        if self.events is not None:
+            self.events.reused(block_id)
         return block_id
 
     def _share(self, block_id: int) -> None:
@@ -184,6 +187,8 @@ class BlockManager:
             self.free_block_ids[block_id] = None                      # most recently used end
             if not self._is_cached(block_id):                         # caches nothing: reuse it first
                 self.free_block_ids.move_to_end(block_id, last=False)
+            if self.events is not None:
+                self.events.released(block_id, self._is_cached(block_id))
 
     def _lookup(self, parent_id: int, token_ids: tuple[int, ...]) -> int | None:
         """The cached block holding exactly `token_ids` after the prefix `parent_id`, or None."""

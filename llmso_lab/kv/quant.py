@@ -301,6 +301,40 @@ class QuantizedPagedKV:
             for x, key in ((k, "k_window"), (v, "v_window")):
                 self.fixed[key][layer].view(-1, H, D).index_copy_(0, wslots, x.to(self.dtype))
 
+    def gather(self, layer: int, blocks: Tensor, which: str) -> Tensor:
+        """K (which="k") or V ("v") of whole blocks [n] of `layer`, dequantized: [n, block_size, Hkv, D] in `dtype`.
+        What the engine's attention backends read. A block never written (the padding of a block table) gives
+        whatever is stored there (zeros for KIVI): the caller masks those positions."""
+        if which not in ("k", "v"):
+            raise ValueError(f"which must be 'k' or 'v', got {which!r}")
+        t, name, blocks = self.per_block, self.fmt.name, blocks.to(self.device, torch.int64)
+        if name == "auto":
+            return t[which][layer].index_select(0, blocks)
+        if name.startswith("fp8"):   # gathered as raw bytes (no FP8 index_select on CPU), then reinterpreted
+            q = t[which][layer].view(torch.uint8).index_select(0, blocks).view(self.fmt.storage)
+            return dequantize_fp8(q.flatten(0, 1), self.fixed[which + "_scale"][layer], self.dtype).view(q.shape)
+        if name == "int8":
+            return dequantize_int8(t[which][layer].index_select(0, blocks),
+                                   t[which + "_scale"][layer].index_select(0, blocks), self.dtype)
+        return self._gather_kivi(layer, blocks, which)
+
+    def _gather_kivi(self, layer: int, blocks: Tensor, which: str) -> Tensor:
+        t, cpu = self.per_block, blocks.cpu()
+        sealed, win = self.sealed[cpu].to(self.device), self.window_of[cpu].to(self.device)
+        out = torch.zeros(len(blocks), *self.shape[2:], dtype=self.dtype, device=self.device)
+        if bool(sealed.any()):
+            sb = blocks[sealed]
+            if which == "k":   # per (block, head, channel): one grid per block, broadcast over its tokens
+                q = AsymQuantized(t["k"][layer, sb], t["k_scale"][layer, sb][:, None], t["k_zero"][layer, sb][:, None],
+                                  self.bits, "channel")
+            else:
+                q = AsymQuantized(t["v"][layer, sb], t["v_scale"][layer, sb], t["v_zero"][layer, sb], self.bits, "token")
+            out[sealed] = q.dequantize(self.dtype)
+        in_window = (~sealed) & (win >= 0)
+        if bool(in_window.any()):
+            out[in_window] = self.fixed[which + "_window"][layer, win[in_window]]
+        return out
+
     def read(self, layer: int, block_table: Tensor, length: int) -> tuple[Tensor, Tensor]:
         """The first `length` tokens of the sequence whose blocks are `block_table`: (k, v) [length, Hkv, D]."""
         B, H, D = self.block_size, self.num_kv_heads, self.head_dim
@@ -348,18 +382,44 @@ class QuantizedPagedKV:
         for b in block_table[:max(0, length - self.residual_length) // B].tolist():
             if self.sealed[b]:
                 continue
-            w = int(self.window_of[b])
-            if w < 0:
+            if self.window_of[b] < 0:
                 raise ValueError(f"block {b} was never written")
-            for layer in range(self.shape[0]):
-                qk = kivi_quantize_keys(self.fixed["k_window"][layer, w], self.bits)
-                qv = kivi_quantize_values(self.fixed["v_window"][layer, w], self.bits)
-                t["k"][layer, b], t["k_scale"][layer, b], t["k_zero"][layer, b] = qk.packed, qk.scale, qk.zero
-                t["v"][layer, b], t["v_scale"][layer, b], t["v_zero"][layer, b] = qv.packed, qv.scale, qv.zero
-            self.sealed[b], self.window_of[b] = True, -1
-            self.free_windows.append(w)
+            self.seal(b)
             n += 1
         return n
+
+    def seal(self, b: int) -> None:
+        """KIVI: quantize block `b` (every layer) from its window block, which goes back to the pool. The block must
+        be full: its tokens form one key group."""
+        self._kivi()
+        w, t = int(self.window_of[b]), self.per_block
+        for layer in range(self.shape[0]):
+            qk = kivi_quantize_keys(self.fixed["k_window"][layer, w], self.bits)
+            qv = kivi_quantize_values(self.fixed["v_window"][layer, w], self.bits)
+            t["k"][layer, b], t["k_scale"][layer, b], t["k_zero"][layer, b] = qk.packed, qk.scale, qk.zero
+            t["v"][layer, b], t["v_scale"][layer, b], t["v_zero"][layer, b] = qv.packed, qv.scale, qv.zero
+        self.sealed[b], self.window_of[b] = True, -1
+        self.free_windows.append(w)
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy blocks src -> dst for every layer: all per-block tensors (codes AND scales / zero points); KIVI also
+        the block's state: a sealed block stays sealed, a block in the window gets its own window block."""
+        if not mapping:
+            return
+        src, dst = (torch.tensor(x, device=self.device) for x in zip(*mapping))
+        for x in self.per_block.values():
+            x = x.view(torch.uint8) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x   # no FP8 index_copy_
+            x.index_copy_(1, dst, x.index_select(1, src))
+        if self.fmt.name.startswith("kivi"):
+            self.free([d for _, d in mapping])
+            for s, d in mapping:
+                self.sealed[d] = self.sealed[s]
+                if self.window_of[s] >= 0:
+                    if not self.free_windows:
+                        raise ValueError("the KIVI window pool is full: raise num_window_blocks")
+                    w = self.window_of[d] = self.free_windows.pop()
+                    for key in ("k_window", "v_window"):
+                        self.fixed[key][:, w] = self.fixed[key][:, self.window_of[s]]
 
     def free(self, block_ids: list[int]) -> None:
         """KIVI: the blocks go back to "unwritten" (the allocator reuses them); their window blocks are freed."""
