@@ -117,6 +117,8 @@ def test_whole_cache_transfer_routing_colocated_and_two_decoders(model):
 def test_bad_input_is_refused_before_any_process_starts(model):
     with pytest.raises(ValueError, match="kv_role is set per worker"):
         DisaggregatedLLM(model, kv_transfer_config={"kv_role": "kv_producer"})
+    with pytest.raises(ValueError, match="kv_cache_dtype='auto'"):
+        DisaggregatedLLM(model, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_connector 'NixlConnector' is not available"):
         DisaggregatedLLM(model, kv_transfer_config={"kv_connector": "NixlConnector"})
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):

@@ -60,6 +60,9 @@ class DisaggregatedLLM:
         for key, bad in (("tensor_parallel_size", 1), ("speculative_config", None)):
             if engine_kwargs.get(key, bad) != bad:
                 raise ValueError(f"{key} is not supported by DisaggregatedLLM (each worker is one LLM process)")
+        if engine_kwargs.get("kv_cache_dtype", "auto") != "auto":
+            raise ValueError("DisaggregatedLLM ships plain KV rows between workers: use kv_cache_dtype='auto' (a "
+                             "quantized cache would need its codes and scales sent; not implemented)")
         if engine_kwargs.get("batching", "continuous") != "continuous":
             raise ValueError("DisaggregatedLLM needs batching='continuous' (requests join the decode batch one by one)")
         self.link = _link_config(kv_transfer_config)
