@@ -11,8 +11,9 @@ import torch
 
 from llmso_lab import hardware as hw
 from llmso_lab.engine.attention import ATTENTION_BACKENDS
-from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block
+from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block, sliding_windows
 from llmso_lab.kv.block_manager import PREFIX_CACHING_ALGOS, cdiv
+from llmso_lab.kv.streaming import StreamingEviction
 from llmso_lab.policies import POLICIES
 from llmso_lab.spec.config import SpeculativeConfig
 
@@ -47,11 +48,13 @@ class EngineConfig:
     speculative_config: dict | None = None    # {"method": "ngram" | "draft_model" | ..., "num_speculative_tokens": k, ...}
     tensor_parallel_size: int = 1             # ranks (processes) that each hold 1/N of every layer (`parallel.tensor`)
     tp_timeout_s: float = 300.0               # a TP rank that does not answer within this many seconds fails the engine
+    kv_eviction: dict | None = None           # {"method": "streaming", "num_sink_blocks": s, "window_blocks": w} (kv.streaming)
     quantization_group_size: int = field(default=0, init=False)         # int4's group, parsed from `quantization`
     spec: SpeculativeConfig | None = field(default=None, init=False)    # `speculative_config`, checked
     num_speculative_tokens: int = field(default=0, init=False)          # k (0: no speculative decoding)
     torch_dtype: torch.dtype | None = field(default=None, init=False)   # what `dtype` resolved to
     dtype_reason: str = field(default="", init=False)                   # why (for "auto": what was detected)
+    eviction: StreamingEviction | None = field(default=None, init=False)   # `kv_eviction`, checked
 
     def __post_init__(self) -> None:
         """Checks that need no model. Raises ValueError listing the valid choices."""
@@ -78,6 +81,28 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.kv_eviction is not None:
+            self.eviction = StreamingEviction.from_dict(self.kv_eviction)
+            self._check_eviction()
+
+    def _check_eviction(self) -> None:
+        """Refuse the settings that StreamingLLM's block eviction would break (see `kv.streaming`)."""
+        why = {
+            "enable_prefix_caching": (self.enable_prefix_caching, "a dropped block leaves a hole in the table, so the "
+                                      "blocks after it cannot be shared as a cached prefix"),
+            "speculative_config": (self.speculative_config is not None, "draft slots and their rollback assume the "
+                                   "cache holds the whole sequence"),
+            "preemption_mode='swap'": (self.preemption_mode == "swap", "use preemption_mode='recompute'"),
+            "batching other than 'continuous'": (self.batching != "continuous", "static batches reserve every row's "
+                                                 "whole length up front"),
+            "tensor_parallel_size > 1": (self.tensor_parallel_size != 1, "not implemented for the rank processes"),
+            "enable_chunked_prefill=False": (not self.enable_chunked_prefill, "a prompt (or a sequence recomputed after "
+                                             "preemption) longer than the budget is prefilled in chunks, evicting "
+                                             "between them"),
+        }
+        for name, (bad, reason) in why.items():
+            if bad:
+                raise ValueError(f"kv_eviction cannot be combined with {name}: {reason}")
 
     def resolve(self, model_config, device: torch.device) -> None:
         """Fill in torch_dtype, max_model_len, num_kv_blocks and swap_space_blocks for this model on `device`;
@@ -96,13 +121,20 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             check_tensor_parallel(model_config, self.tensor_parallel_size)
         per_seq = cdiv(self.max_model_len, self.block_size)   # blocks one max-length sequence needs
+        if self.eviction is not None:   # StreamingLLM: a sequence never holds more than sinks + window + 1 blocks
+            check_eviction_model(model_config, self.max_model_len)
+            per_seq = min(per_seq, self.eviction.max_blocks_per_seq)
         if self.num_kv_blocks is None:   # kv_cache_memory_bytes is per rank (per GPU in vLLM): TP adds capacity
             budget = self.kv_cache_memory_bytes // kv_cache_bytes_per_block(model_config, self.block_size, dtype,
                                                                           self.tensor_parallel_size)
             if budget < per_seq:
                 raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds {budget} blocks but one sequence "
-                                 f"of max_model_len={self.max_model_len} needs {per_seq}; raise it or lower max_model_len")
+                                 f"of max_model_len={self.max_model_len} needs {per_seq}; raise it or lower max_model_len"
+                                 + (" or the kv_eviction window" if self.eviction else ""))
             self.num_kv_blocks = min(budget, self.max_num_seqs * per_seq)   # more could never be used
+        if self.eviction is not None and self.num_kv_blocks < per_seq:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} cannot hold one sequence under kv_eviction: it keeps up to "
+                             f"num_sink_blocks + window_blocks + 1 = {per_seq} blocks; raise num_kv_blocks or shrink the window")
         if self.num_kv_blocks < per_seq:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} ({self.num_kv_blocks * self.block_size} tokens) cannot hold "
                              f"one sequence of max_model_len={self.max_model_len}: it needs {per_seq} blocks of "
@@ -111,6 +143,17 @@ class EngineConfig:
             self.swap_space_blocks = 0
         elif self.swap_space_blocks is None:
             self.swap_space_blocks = self.num_kv_blocks
+
+
+def check_eviction_model(model_config, max_model_len: int) -> None:
+    """Raise ValueError for models whose attention block eviction would break: MLA (its latent cache is not built for
+    it here) and sliding-window layers (their window is counted in positions, the cache's indices are not)."""
+    if model_config.model_type == "deepseek_v3":
+        raise ValueError("kv_eviction is implemented for Llama-family attention, not MLA; use kv_eviction=None")
+    if any(w is not None for w in sliding_windows(model_config, max_model_len)):
+        raise ValueError(f"kv_eviction cannot be combined with a sliding-window model (sliding_window="
+                         f"{model_config.sliding_window}): its window would be measured in cache slots, not positions; "
+                         "lower max_model_len to the window or use kv_eviction=None")
 
 
 def check_tensor_parallel(model_config, tp: int) -> None:
