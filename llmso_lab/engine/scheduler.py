@@ -6,6 +6,8 @@ Continuous batching (iteration-level scheduling, Orca / vLLM): every step,
   (b) swapped-out sequences come back, then waiting requests are admitted in policy order, each taking a
       prefill chunk from what is left of the `max_num_batched_tokens` budget (the whole prompt or nothing
       when chunked prefill is off), until `max_num_seqs` run or the budget or the blocks run out.
+Under `kv_eviction` (StreamingLLM, `llmso_lab.kv.streaming`) a sequence's chunk is first capped so that it stays
+within sinks + window + 1 blocks, and the oldest non-sink blocks past that are freed before its free-block check.
 Static / dynamic batching form a batch only when the previous one has completely finished: all its
 prompts are prefilled together, padded to the longest, then decoded in lock-step; a finished row keeps its
 slot and is still computed (idle) until the whole batch is done (Hugging Face `generate`,
