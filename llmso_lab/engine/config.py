@@ -12,9 +12,11 @@ import torch
 from llmso_lab import hardware as hw
 from llmso_lab.engine.attention import ATTENTION_BACKENDS
 from llmso_lab.engine.kv_cache import kivi_window_blocks
-from llmso_lab.engine.model_runner import check_model_config, kv_cache_bytes_per_block, kv_cache_fixed_bytes
+from llmso_lab.engine.model_runner import (check_model_config, kv_cache_bytes_per_block, kv_cache_fixed_bytes,
+                                           sliding_windows)
 from llmso_lab.kv.quant import KV_FORMATS
 from llmso_lab.kv.block_manager import PREFIX_CACHING_ALGOS, cdiv
+from llmso_lab.kv.streaming import StreamingEviction
 from llmso_lab.policies import POLICIES
 from llmso_lab.spec.config import SpeculativeConfig
 
@@ -54,11 +56,13 @@ class EngineConfig:
     calculate_kv_scales: bool = False         # fp8: scales from the first forward's K/V (vLLM's name); False: 1.0
     kivi_residual_length: int = 32            # kivi: recent tokens kept in full precision (a multiple of block_size)
     kivi_window_blocks: int = field(default=0, init=False)              # kivi: the full-precision window pool's blocks
+    kv_eviction: dict | None = None           # {"method": "streaming", "num_sink_blocks": s, "window_blocks": w} (kv.streaming)
     quantization_group_size: int = field(default=0, init=False)         # int4's group, parsed from `quantization`
     spec: SpeculativeConfig | None = field(default=None, init=False)    # `speculative_config`, checked
     num_speculative_tokens: int = field(default=0, init=False)          # k (0: no speculative decoding)
     torch_dtype: torch.dtype | None = field(default=None, init=False)   # what `dtype` resolved to
     dtype_reason: str = field(default="", init=False)                   # why (for "auto": what was detected)
+    eviction: StreamingEviction | None = field(default=None, init=False)   # `kv_eviction`, checked
 
     def __post_init__(self) -> None:
         """Checks that need no model. Raises ValueError listing the valid choices."""
@@ -86,6 +90,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         self._check_kv_cache_dtype()
+        if self.kv_eviction is not None:
+            self.eviction = StreamingEviction.from_dict(self.kv_eviction)
+            self._check_eviction()
 
     def _check_kv_cache_dtype(self) -> None:
         """kv_cache_dtype and its options; the features a quantized cache is not wired into refuse it."""
@@ -114,6 +121,28 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={kv!r} with prefix_caching_algo='radix' is not supported (the radix tree "
                              "caches partly filled blocks, which KIVI cannot quantize as a key group); use 'hash'")
 
+    def _check_eviction(self) -> None:
+        """Refuse the settings that StreamingLLM's block eviction would break (see `kv.streaming`)."""
+        why = {
+            "enable_prefix_caching": (self.enable_prefix_caching, "a dropped block leaves a hole in the table, so the "
+                                      "blocks after it cannot be shared as a cached prefix"),
+            "speculative_config": (self.speculative_config is not None, "draft slots and their rollback assume the "
+                                   "cache holds the whole sequence"),
+            "preemption_mode='swap'": (self.preemption_mode == "swap", "use preemption_mode='recompute'"),
+            "batching other than 'continuous'": (self.batching != "continuous", "static batches reserve every row's "
+                                                 "whole length up front"),
+            "tensor_parallel_size > 1": (self.tensor_parallel_size != 1, "not implemented for the rank processes"),
+            f"kv_cache_dtype={self.kv_cache_dtype!r}": (self.kv_cache_dtype != "auto", "the two are not tested "
+                                                         "together (a KIVI block's window state, scales per block); "
+                                                         "use kv_cache_dtype='auto' with kv_eviction"),
+            "enable_chunked_prefill=False": (not self.enable_chunked_prefill, "a prompt (or a sequence recomputed after "
+                                             "preemption) longer than the budget is prefilled in chunks, evicting "
+                                             "between them"),
+        }
+        for name, (bad, reason) in why.items():
+            if bad:
+                raise ValueError(f"kv_eviction cannot be combined with {name}: {reason}")
+
     def resolve(self, model_config, device: torch.device) -> None:
         """Fill in torch_dtype, max_model_len, num_kv_blocks and swap_space_blocks for this model on `device`;
         check they can work."""
@@ -140,6 +169,9 @@ class EngineConfig:
                                                          self.kivi_residual_length)
             fixed = kv_cache_fixed_bytes(model_config, self.block_size, dtype, self.kv_cache_dtype,
                                          self.kivi_window_blocks)
+        if self.eviction is not None:   # StreamingLLM: a sequence never holds more than sinks + window + 1 blocks
+            check_eviction_model(model_config, self.max_model_len)
+            per_seq = min(per_seq, self.eviction.max_blocks_per_seq)
         if self.num_kv_blocks is None:   # kv_cache_memory_bytes is per rank (per GPU in vLLM): TP adds capacity
             budget = max(0, self.kv_cache_memory_bytes - fixed) // kv_cache_bytes_per_block(
                 model_config, self.block_size, dtype, self.tensor_parallel_size, self.kv_cache_dtype)
@@ -148,8 +180,12 @@ class EngineConfig:
                                  f"of max_model_len={self.max_model_len} needs {per_seq}"
                                  + (f" (after the KIVI window pool's {fixed} bytes: {self.kivi_window_blocks} blocks for "
                                     "max_num_seqs, kivi_residual_length and max_num_batched_tokens)" if fixed else "")
-                                 + "; raise it or lower max_model_len")
+                                 + "; raise it or lower max_model_len"
+                                 + (" or the kv_eviction window" if self.eviction else ""))
             self.num_kv_blocks = min(budget, self.max_num_seqs * per_seq)   # more could never be used
+        if self.eviction is not None and self.num_kv_blocks < per_seq:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} cannot hold one sequence under kv_eviction: it keeps up to "
+                             f"num_sink_blocks + window_blocks + 1 = {per_seq} blocks; raise num_kv_blocks or shrink the window")
         if self.num_kv_blocks < per_seq:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} ({self.num_kv_blocks * self.block_size} tokens) cannot hold "
                              f"one sequence of max_model_len={self.max_model_len}: it needs {per_seq} blocks of "
@@ -158,6 +194,17 @@ class EngineConfig:
             self.swap_space_blocks = 0
         elif self.swap_space_blocks is None:
             self.swap_space_blocks = self.num_kv_blocks
+
+
+def check_eviction_model(model_config, max_model_len: int) -> None:
+    """Raise ValueError for models whose attention block eviction would break: MLA (its latent cache is not built for
+    it here) and sliding-window layers (their window is counted in positions, the cache's indices are not)."""
+    if model_config.model_type == "deepseek_v3":
+        raise ValueError("kv_eviction is implemented for Llama-family attention, not MLA; use kv_eviction=None")
+    if any(w is not None for w in sliding_windows(model_config, max_model_len)):
+        raise ValueError(f"kv_eviction cannot be combined with a sliding-window model (sliding_window="
+                         f"{model_config.sliding_window}): its window would be measured in cache slots, not positions; "
+                         "lower max_model_len to the window or use kv_eviction=None")
 
 
 def check_tensor_parallel(model_config, tp: int) -> None:

@@ -72,6 +72,18 @@ class LLM:
     equal tensor_parallel_size=1 except at near-ties (the all-reduce sums partials in another order). Call
     `shutdown()` (or use `with LLM(...) as llm:`) to stop the ranks; they also stop when this process exits.
 
+    KV eviction (lecture 2-4): `kv_eviction={"method": "streaming", "num_sink_blocks": s, "window_blocks": w}` runs
+    StreamingLLM (Xiao et al., 2023) in the paged cache, a block at a time (`llmso_lab.kv.streaming`): each
+    sequence keeps its first s blocks (the attention sinks) and its last w full blocks plus the one being filled,
+    and returns the blocks in between to the block manager as it grows. So one sequence holds at most s + w + 1
+    blocks and may generate far more tokens than the cache holds (max_tokens up to max_model_len). Kept keys keep
+    their original positions (like kvpress; the paper re-assigns positions inside the cache), so a sequence still
+    stops at max_model_len <= max_position_embeddings. Lossy: tokens attend only to the kept blocks. vLLM has no
+    such option. Refused with it: prefix caching, speculative decoding, n > 1 and beam search, swap preemption,
+    static / dynamic batching, tensor parallelism, MLA and sliding-window models, chunked prefill off (a prompt
+    longer than the budget is prefilled in chunks of at most w + 1 blocks, evicting between them). A sequence
+    preempted by recompute is recomputed that way too, so its later tokens may differ from an uninterrupted run.
+
     Determinism: every request samples from its own generator (seeded by `SamplingParams.seed`, else by
     `seed` and its order of arrival), so its random draws do not depend on the rest of the batch; its logits
     can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
@@ -88,6 +100,7 @@ class LLM:
                  quantization: str | None = None, speculative_config: dict | None = None,
                  tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto", kv_fp8_scales: str = "tensor",
                  calculate_kv_scales: bool = False, kivi_residual_length: int = 32,
+                 kv_eviction: dict | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = c = EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
@@ -99,7 +112,7 @@ class LLM:
             dtype=dtype, share_kv_blocks=share_kv_blocks, prefix_caching_algo=prefix_caching_algo,
             quantization=quantization, speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
             kv_cache_dtype=kv_cache_dtype, kv_fp8_scales=kv_fp8_scales, calculate_kv_scales=calculate_kv_scales,
-            kivi_residual_length=kivi_residual_length)
+            kivi_residual_length=kivi_residual_length, kv_eviction=kv_eviction)
         if kv_cache_dtype != "auto" and type(self) is not LLM:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is supported by LLM itself, not by {type(self).__name__} "
                              "(disaggregation ships the plain K/V tensors between workers); use kv_cache_dtype='auto'")
@@ -139,6 +152,9 @@ class LLM:
         params.verify()
         if params.n > 1 and self.config.batching != "continuous":
             raise ValueError(f"n={params.n} needs batching='continuous' (a static batch cannot grow by forking)")
+        if params.n > 1 and self.config.eviction is not None:
+            raise ValueError(f"n={params.n} cannot be combined with kv_eviction (samples share blocks that one of them "
+                             "would evict); use n=1")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         ids, text = prompt_token_ids(prompt, self.tokenizer)
@@ -427,6 +443,9 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if self.config.batching != "continuous":
             raise ValueError("beam_search needs batching='continuous' (beams fork and are pruned step by step)")
+        if self.config.eviction is not None:
+            raise ValueError("beam_search cannot be combined with kv_eviction (beams share blocks that one of them would "
+                             "evict); make an LLM without kv_eviction")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
@@ -518,6 +537,7 @@ class LLM:
             "num_preemptions_swap": sch.num_swaps, "num_cow_copies": bm.num_cow_copies,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "prefix_cache_queried_tokens": bm.num_queried_tokens,
             "prefix_cache_hit_tokens": bm.num_hit_tokens, "prefix_cache_evictions": bm.num_evictions,
+            "kv_evicted_blocks": bm.num_evicted_blocks,
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks, "kv_cache_usage_peak": self.peak_blocks_used / bm.num_blocks,
             "num_prompt_tokens": self.num_prompt_tokens, "num_generated_tokens": self.num_generated_tokens,

@@ -52,13 +52,16 @@ class LayerWeights:
 @dataclass(slots=True)
 class BatchRow:
     """One sequence's part of a forward: `token_ids` computed at positions start.. (their K/V written through
-    `block_table`), `num_pad` padding tokens after them (static batching), logits for the last `num_logits`."""
+    `block_table`), `num_pad` padding tokens after them (static batching), logits for the last `num_logits`.
+    `num_evicted` (kv_eviction): tokens dropped from the cache before `start` (`kv.streaming`); the row's tokens
+    sit at cache index position - num_evicted, while RoPE still gets their positions."""
     token_ids: list[int]
     start: int
     block_table: list[int]
     num_logits: int = 1
     num_pad: int = 0
     idle: bool = False     # static batching: a finished row, computed on one padding token
+    num_evicted: int = 0
 
     @property
     def num_query_tokens(self) -> int:
@@ -175,21 +178,24 @@ class BatchBuilder:
             else:
                 tokens = seq.token_ids[start:start + item.num_new_tokens - len(item.spec_token_ids)] + item.spec_token_ids
                 logits = (1 + len(item.spec_token_ids)) if item.sample else 0
-                rows.append(BatchRow(tokens, start, seq.block_table, logits, item.num_pad_tokens))
+                rows.append(BatchRow(tokens, start, seq.block_table, logits, item.num_pad_tokens,
+                                     num_evicted=seq.num_evicted_blocks * self.block_size))
         return self.prepare_rows(rows, out.num_decodes)
 
     def prepare_rows(self, rows: list[BatchRow], num_decodes: int) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """The varlen batch for `rows` (the first `num_decodes` of them one token each): input ids, positions,
-        attention metadata, and the indices of the tokens whose logits `forward` returns."""
+        attention metadata, and the indices of the tokens whose logits `forward` returns. Positions are the tokens'
+        places in their sequence; slots, start positions, context lengths and block tables count tokens in the cache
+        (fewer under kv_eviction: `BatchRow.num_evicted`)."""
         bs, null_slot = self.block_size, self.null_block * self.block_size
         ids, pos, slots, logit_rows = [], [], [], []
         starts, qlens, ctxs, tables = [], [], [], []
         for row in rows:
-            start, table = row.start, row.block_table
+            start, table = row.start - row.num_evicted, row.block_table   # in cache coordinates
             ctx = start + len(row.token_ids)
             new = range(start, ctx)
             ids += row.token_ids + [0] * row.num_pad
-            pos += list(new) + [0] * row.num_pad
+            pos += list(range(row.start, row.start + len(row.token_ids))) + [0] * row.num_pad
             slots += [table[p // bs] * bs + p % bs for p in new] + [null_slot] * row.num_pad
             last = len(ids) - 1 - (0 if row.idle else row.num_pad)
             logit_rows += range(last - row.num_logits + 1, last + 1)   # the last real tokens (idle: the padding)

@@ -6,6 +6,8 @@ Continuous batching (iteration-level scheduling, Orca / vLLM): every step,
   (b) swapped-out sequences come back, then waiting requests are admitted in policy order, each taking a
       prefill chunk from what is left of the `max_num_batched_tokens` budget (the whole prompt or nothing
       when chunked prefill is off), until `max_num_seqs` run or the budget or the blocks run out.
+Under `kv_eviction` (StreamingLLM, `llmso_lab.kv.streaming`) a sequence's chunk is first capped so that it stays
+within sinks + window + 1 blocks, and the oldest non-sink blocks past that are freed before its free-block check.
 Static / dynamic batching form a batch only when the previous one has completely finished: all its
 prompts are prefilled together, padded to the longest, then decoded in lock-step; a finished row keeps its
 slot and is still computed (idle) until the whole batch is done (Hugging Face `generate`,
@@ -27,6 +29,7 @@ from llmso_lab.batching import prefill_chunk, static_batch
 from llmso_lab.engine.policy import SchedulingPolicy
 from llmso_lab.engine.sequence import Sequence, SequenceStatus
 from llmso_lab.kv.block_manager import BlockManager
+from llmso_lab.kv.streaming import max_chunk_tokens, num_blocks_to_evict
 
 if TYPE_CHECKING:
     from llmso_lab.engine.config import EngineConfig
@@ -127,7 +130,7 @@ class Scheduler:
         for seq in self.policy.order(decodes, now) + self.policy.order(prefills, now):
             if seq.status is not SequenceStatus.RUNNING:
                 continue   # preempted as a victim earlier in this loop
-            n = self._chunk(seq.num_uncomputed_tokens, budget)
+            n = self._evict(seq, self._chunk(seq.num_uncomputed_tokens, budget))
             if n == 0:
                 continue
             lookahead = min(self._lookahead(seq), budget - n) if not seq.is_prefill else 0
@@ -158,7 +161,7 @@ class Scheduler:
                 if len(self.running) >= max_num_seqs:
                     break
                 cached = bm.match_prefix(seq)   # prefix-cache hits
-                n = self._chunk(seq.num_tokens - cached.num_tokens, budget)
+                n = self._evict(seq, self._chunk(seq.num_tokens - cached.num_tokens, budget))
                 if n == 0 or not bm.can_allocate(seq, n, cached):
                     break
                 self.waiting.remove(seq)
@@ -168,6 +171,20 @@ class Scheduler:
         out.scheduled = sorted(sched.values(), key=lambda item: item.num_query_tokens > 1)   # decodes first
         out.num_decodes = sum(item.num_query_tokens == 1 for item in out.scheduled)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+
+    def _evict(self, seq: Sequence, n: int) -> int:
+        """kv_eviction (StreamingLLM, `kv.streaming`): cap this step's `n` tokens of `seq` so that it holds at most
+        sinks + window + 1 blocks once its evictable blocks are gone, drop the oldest non-sink blocks that would
+        exceed that (before the free-block check, so they count as free), and return the capped `n`."""
+        ev = self.config.eviction
+        if ev is None or n == 0:
+            return n
+        bs = self.config.block_size
+        n = min(n, max_chunk_tokens(seq.num_computed_tokens, bs, ev))
+        k = num_blocks_to_evict(seq.num_computed_tokens, n, seq.num_evicted_blocks, bs, ev)
+        if k:
+            self.block_manager.evict_blocks(seq, ev.num_sink_blocks, k)
+        return n
 
     def _lookahead(self, seq: Sequence) -> int:
         """Speculative decoding: draft slots for a decoding `seq` — num_speculative_tokens, fewer near its

@@ -7,6 +7,7 @@ p % block_size` of the paged cache `[num_blocks, block_size, Hkv, D]`. vLLM's ve
 - `can_allocate` / `allocate`: admit a waiting sequence (reusing cached prefix blocks when possible);
 - `may_append` / `append_slot`: grow a running sequence by the tokens it computes this step;
 - `free`: return a finished or preempted sequence's blocks;
+- `evict_blocks`: drop blocks from the middle of a running sequence's table (StreamingLLM, `kv.streaming`);
 - `fork`: a new sequence (another sample of a request, a new beam) shares its parent's blocks; a write into a
   block that someone else still holds first copies it (copy-on-write; `append_slot` returns the copies);
 - `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back. Swap composes
@@ -128,6 +129,7 @@ class BlockManager:
         self.num_evictions = 0
         self.num_cow_copies = 0        # blocks copied because a sequence wrote into a shared one
         self.events = None   # told released(block, cached) / reused(block): a KIVI KV cache (`engine.kv_cache`)
+        self.num_evicted_blocks = 0    # blocks dropped from running sequences (kv_eviction)
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -220,14 +222,19 @@ class BlockManager:
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
+    def _num_kv_tokens(self, seq: Sequence) -> int:
+        """Computed tokens of `seq` its block table covers: all of them, less the blocks dropped by `evict_blocks`."""
+        return seq.num_computed_tokens - seq.num_evicted_blocks * self.block_size
+
     def _shared_in_write_range(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Indices of the blocks `seq` will write this step's tokens into that another table also holds."""
-        first, end = seq.num_computed_tokens // self.block_size, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        done = self._num_kv_tokens(seq)
+        first, end = done // self.block_size, cdiv(done + num_new_tokens, self.block_size)
         return [i for i in range(first, min(end, len(seq.block_table))) if self.blocks[seq.block_table[i]].ref_count > 1]
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Fresh blocks `seq` needs to compute `num_new_tokens` more tokens: new ones, plus copies of shared ones."""
-        grow = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
+        grow = max(0, cdiv(self._num_kv_tokens(seq) + num_new_tokens, self.block_size) - len(seq.block_table))
         return grow + len(self._shared_in_write_range(seq, num_new_tokens))
 
     # ---- admission ---------------------------------------------------------------------------
@@ -308,7 +315,7 @@ class BlockManager:
             seq.block_table[i] = self._take_free_block()
             self._release(src)                    # still held by the others: ref_count stays >= 1
             copies.append((src, seq.block_table[i]))
-        grow = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        grow = cdiv(self._num_kv_tokens(seq) + num_new_tokens, self.block_size) - len(seq.block_table)
         seq.block_table.extend(self._take_free_block() for _ in range(grow))
         self.num_cow_copies += len(copies)
         return copies
@@ -321,6 +328,20 @@ class BlockManager:
             assert self.blocks[block_id].ref_count == 1 and not self._is_cached(block_id), f"block {block_id} is shared"
             self._release(block_id)
 
+    def evict_blocks(self, seq: Sequence, first: int, count: int) -> None:
+        """Drop `count` blocks of `seq.block_table` from table index `first` on and return them (StreamingLLM: the
+        oldest blocks after the sinks). Their K/V is gone for good, so they must hold only computed tokens that
+        nothing caches: prefix caching is off under eviction (a later sequence could not share a table with a hole)."""
+        assert not self.enable_prefix_caching, "eviction and prefix caching do not mix"
+        end = first + count
+        assert 0 <= first and end * self.block_size <= self._num_kv_tokens(seq), \
+            f"seq {seq.seq_id}: blocks {first}..{end - 1} are not all computed"
+        for block_id in seq.block_table[first:end]:
+            self._release(block_id)
+        del seq.block_table[first:end]
+        seq.num_evicted_blocks += count
+        self.num_evicted_blocks += count
+
     def fork(self, parent: Sequence, child: Sequence, share: bool = True) -> list[tuple[int, int]]:
         """`child` (holding no blocks) continues from `parent`'s computed tokens. share=True: it holds the same
         blocks (ref_count += 1); a later write into a shared block copies it then (`append_slot`).
@@ -328,6 +349,7 @@ class BlockManager:
         Returns the (source block, destination block) copies to do before the next forward."""
         assert not child.block_table and not parent.swap_table, "fork a running parent into an empty child"
         child.num_computed_tokens, child.prefix_ids = parent.num_computed_tokens, list(parent.prefix_ids)
+        child.num_evicted_blocks = parent.num_evicted_blocks
         copies = []
         for block_id in parent.block_table:
             if share:
@@ -368,6 +390,7 @@ class BlockManager:
             self._release(block_id)
         seq.block_table.clear()
         seq.prefix_ids.clear()
+        seq.num_evicted_blocks = 0
 
     # ---- swapping (preemption_mode="swap") ----------------------------------------------------
     def _blocks_to_copy(self, seq: Sequence) -> list[int]:
