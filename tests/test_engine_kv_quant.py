@@ -15,6 +15,7 @@ from llmso_lab.engine.config import EngineConfig  # noqa: E402
 from llmso_lab.kv.quant import KV_FORMATS, dequantize_int8, kivi_fake_quantize, quantize_int8  # noqa: E402
 from llmso_lab.models import tiny_llama  # noqa: E402
 from llmso_lab.models.tiny import tiny_deepseek_v3  # noqa: E402
+from test_kv_quant import formula_bytes  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41], [1, 5, 9, 13, 17, 21, 25, 29, 60, 61], [7], [3, 4, 5, 6, 7, 8]]
 QUANTIZED = [f for f in KV_FORMATS if f != "auto"]
@@ -37,14 +38,8 @@ def generate(llm: LLM, prompts=PROMPTS, max_tokens: int = 12) -> list[list[int]]
 
 
 def formula_bytes_per_token(fmt: str, block_size: int, elem: int = 4) -> float:
-    if fmt == "auto":
-        return 2 * L * HKV * D * elem
-    if fmt.startswith("fp8"):
-        return 2 * L * HKV * D
-    if fmt == "int8":
-        return 2 * L * HKV * D + 2 * L * HKV * 2                # codes + an fp16 scale per (token, head)
-    bits = KV_FORMATS[fmt].bits
-    return 2 * L * HKV * D * bits / 8 + L * HKV * D * 2 * 2 / block_size + L * HKV * 2 * 2
+    """The closed form of tests/test_kv_quant.py on the tiny model's shape (one home for the formula)."""
+    return formula_bytes(fmt, L, HKV, D, block_size, elem)
 
 
 # ----------------------------------------------------------------------------------------------- configuration
