@@ -7,7 +7,7 @@ import torch
 from llmso_lab.hardware import ACCELERATORS
 from llmso_lab.kv.blend import (blend, deviation_by_layer, full_prefill, greedy_answer, kv_deviation, prefill_kv,
                                 rag_prompt, rerotate_keys, select_tokens)
-from llmso_lab.kv.evict import _cache_kw
+from llmso_lab.kv.evict import cache_kwarg
 from llmso_lab.models.shapes import ModelShape
 from llmso_lab.models.tiny import tiny_llama
 from llmso_lab.sim.cost import StepCost
@@ -68,7 +68,7 @@ def test_ratio_one_is_full_prefill_and_ratio_zero_is_plain_concatenation():
         plain.update(torch.cat([pre[l][0]] + [rerotate_keys(s[l][0], o, INV_FREQ) for s, o in zip(stored, starts)], 2),
                      torch.cat([pre[l][1]] + [s[l][1] for s in stored], 2), l)
     ref = MODEL(input_ids=QUESTION, position_ids=torch.arange(T - Q, T)[None], use_cache=True,
-                **{_cache_kw(MODEL): plain}).logits[0, -1]
+                **{cache_kwarg(MODEL): plain}).logits[0, -1]
     b0 = blend(MODEL, PREFIX, CHUNKS, QUESTION, 0.0, chunk_kv=stored)
     torch.testing.assert_close(b0.logits, ref, atol=1e-5, rtol=1e-5)
     assert b0.selected.numel() == 0 and b0.flops < b1.flops

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmso_lab.kv.evict import _cache_kw, greedy_continue
+from llmso_lab.kv.evict import cache_kwarg, greedy_continue
 from llmso_lab.kv.needle import Needle, make_needle
 from llmso_lab.models.shapes import ModelShape
 
@@ -96,7 +96,7 @@ def prefill_kv(model, ids: torch.Tensor, start: int = 0) -> list[tuple[torch.Ten
 
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, position_ids=torch.arange(start, start + ids.shape[1])[None], use_cache=True,
-          logits_to_keep=1, **{_cache_kw(model): cache})
+          logits_to_keep=1, **{cache_kwarg(model): cache})
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -106,7 +106,7 @@ def full_prefill(model, ids: torch.Tensor):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kw(model): cache})
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     return cache, out.logits[0, -1]
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["streaming_keep", "h2o_keep", "snapkv_keep", "pyramid_budgets", "METHODS", "compress_prefill",
-           "greedy_continue", "generate_compressed", "continuation_nll"]
+           "greedy_continue", "generate_compressed", "continuation_nll", "cache_kwarg"]
 
 METHODS = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
 
@@ -149,7 +149,7 @@ def pyramid_budgets(num_layers: int, total_budget: int, beta: float = 20, max_pe
 # ----------------------------------------------------------------------------------------------------------
 # Applying a keep-set to a Hugging Face model's DynamicCache (the kvpress way: hooks during prefill).
 
-def _cache_kw(model) -> str:
+def cache_kwarg(model) -> str:
     """transformers 5.x renamed `past_key_values` to `cache` in forward(); use whichever this version takes."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -221,7 +221,7 @@ def compress_prefill(model, input_ids: torch.Tensor, method: str, budget: int, w
         budgets = [window + b for b in pyramid_budgets(L, L * extra, beta, max_per_layer=T - window)]
     else:
         budgets = [budget] * L
-    run = lambda: model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{_cache_kw(model): cache})
+    run = lambda: model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     if budgets is None:
         out = run()
     else:
@@ -252,7 +252,7 @@ def greedy_continue(model, cache, input_ids: torch.Tensor, start_position: int, 
     would be wrong for a multi-token input, so the input is then fed one token at a time, and only SDPA works
     (eager attention adds the layer-0-sized mask even for one query; SDPA skips it).
     """
-    kw = _cache_kw(model)
+    kw = cache_kwarg(model)
     chunks = list(input_ids.split(1, dim=1)) if _uneven(model, cache) else [input_ids]
     pos = start_position
     for chunk in chunks:
@@ -299,7 +299,7 @@ def continuation_nll(model, cache, last_logits: torch.Tensor, cont_ids: torch.Te
     continuation at its original positions `start_position..`. Returns (nll_sum, n). Perplexity over several
     windows: exp(sum of nll_sum / sum of n). A cache whose layers hold different lengths (PyramidKV) is fed
     one token at a time (see `greedy_continue`)."""
-    kw = _cache_kw(model)
+    kw = cache_kwarg(model)
     n = cont_ids.shape[1]
     nll = F.cross_entropy(last_logits.float()[None], cont_ids[0, :1], reduction="sum").item()
     if n == 1:
