@@ -61,7 +61,8 @@ def _cmd_release(args) -> int:
 
         if not args.lab:
             raise ValueError("release --gradescope needs --lab NN (one autograder per assignment)")
-        path = build_package(args.lab, Path(args.out or "dist"), hidden_visibility=args.hidden_visibility)
+        path = build_package(args.lab, Path(args.out or "dist"), hidden_visibility=args.hidden_visibility,
+                             timeout_s=args.timeout_s)
         print(f"Gradescope autograder: {path} ({path.stat().st_size / 1e6:.1f} MB). Upload it as the assignment's "
               f"autograder (Ubuntu base image); students submit their {args.lab}_*.ipynb.")
         return 0
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--hidden-visibility", default="after_published",
                    help="Gradescope visibility of the hidden checks' results: hidden, after_due_date, after_published "
                         "(default) or visible")
+    r.add_argument("--timeout-s", type=float, default=None,
+                   help="with --gradescope: one wall-clock limit in seconds for every exercise (default: each exercise's own)")
     r.set_defaults(fn=_cmd_release)
     g = sub.add_parser("grade", help="grade submitted notebooks in a sandbox (one: a table; several: a gradebook)")
     g.add_argument("submission", nargs="+", help="notebooks, folders of notebooks or glob patterns")

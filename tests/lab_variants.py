@@ -1543,3 +1543,24 @@ def notebook_with(lab: str, replacements: dict[str, str], path: Path) -> Path:
         cells[0].source, cells[0].outputs = source, []
     nbformat.write(nb, str(path))
     return path
+
+
+def in_process_verdicts(ex, source: str) -> list:
+    """What check() would say on every case (hidden ones too), with the cell run in a fresh namespace:
+    None where a case passes, else why not (the grader's own `verdict`; test_lab_variants checks they agree)."""
+    import linecache
+
+    from llmso_lab.grading.check import outcome_in_process
+    from llmso_lab.grading.child import PRELUDE
+    from llmso_lab.grading.grader import expected_values
+    from llmso_lab.grading.protocol import verdict
+
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(PRELUDE, "<prelude>", "exec"), ns)
+    path = f"/tmp/llmso-variant-{ex.name}.py"
+    with open(path, "w") as f:
+        f.write(source)
+    linecache.cache[path] = (len(source), None, source.splitlines(True), path)
+    exec(compile(source, path, "exec"), ns)
+    expected = expected_values(ex)
+    return [verdict(ex, c, outcome_in_process(ex, ns[ex.graded_name], i), expected[i]) for i, c in enumerate(ex.cases)]

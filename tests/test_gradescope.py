@@ -21,7 +21,8 @@ LAB = "01"
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
-    return build_package(LAB, tmp_path_factory.mktemp("gradescope"), hidden_visibility="after_published")
+    # 10 s per exercise instead of Lab 01's 30: the hostile submission below loops until it is stopped
+    return build_package(LAB, tmp_path_factory.mktemp("gradescope"), hidden_visibility="after_published", timeout_s=10)
 
 
 def run_autograder(package, tmp_path, submission: dict[str, str | bytes]) -> dict:
@@ -54,7 +55,7 @@ def test_the_zip_has_gradescope_s_layout_and_only_this_lab_s_hidden_checks(packa
     assert hidden == ["llmso-lab/llmso_lab/grading/hidden/__init__.py", f"llmso-lab/llmso_lab/grading/hidden/lab{LAB}.py"]
     assert not any(n.startswith("llmso-lab/solutions") or n.endswith(".ipynb") for n in names)
     assert config == {"lab": LAB, "hidden_visibility": "after_published", "needs_model": False,
-                      "torch_spec": "torch==2.13.0"}
+                      "torch_spec": "torch==2.13.0", "timeout_s": 10}
 
 
 def test_solution_scores_100_with_hidden_checks_shown_after_publishing(package, tmp_path):
@@ -106,3 +107,10 @@ def test_hostile_submission_loses_only_the_attacked_exercise(package, tmp_path):
     scores = {t["name"]: t["score"] for t in res["tests"]}
     assert scores["lab01/static_slot_grid (public checks)"] == scores["lab01/static_slot_grid (hidden checks)"] == 0
     assert res["score"] == 75, json.dumps(res, indent=1)[:3000]
+
+
+def test_a_bad_timeout_is_refused_with_what_to_give(tmp_path):
+    for bad in (0, -5, "10"):
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            build_package(LAB, tmp_path, timeout_s=bad)
+    assert not list(tmp_path.iterdir())   # nothing half-written

@@ -12,6 +12,7 @@ from llmso_lab.grading import exercises, get_exercise, labs
 from llmso_lab.grading.grader import expected_values, grade_notebook
 from llmso_lab.grading.notebook import exercise_cell_source, make_student_notebook
 from llmso_lab.grading.release import check_labs
+from lab_variants import in_process_verdicts
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -67,12 +68,25 @@ def test_solution_notebook_scores_full_marks(path):
     assert res["score"] == res["max_score"] == 100, json.dumps(res, indent=1)
 
 
-@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
-def test_blank_lab_scores_zero_with_reasons(path):
-    res = grade_notebook(ROOT / "labs" / path.name)
+# Through the sandboxed grader: a lab with a Triton kernel exercise and tensors, and one with class exercises
+# (test_gradescope grades Lab 01's blank in Gradescope's layout). Every lab's blank cells: the next test.
+@pytest.mark.parametrize("lab", ["03", "04"])
+def test_blank_lab_scores_zero_with_reasons(lab):
+    res = grade_notebook(ROOT / "labs" / LAB_OF[lab].name)
     assert res["score"] == 0
     for t in res["tests"]:
         assert t["score"] == 0 and "not implemented" in t["output"], t
+
+
+@pytest.mark.parametrize("lab", labs())
+def test_every_blank_exercise_fails_every_case_as_not_implemented(lab):
+    """Each released blank cell, run as check() runs it (test_lab_variants: the same verdicts as the grader's)."""
+    nb = nbformat.read(str(ROOT / "labs" / LAB_OF[lab].name), as_version=4)
+    for ex in exercises(lab):
+        source = exercise_cell_source(nb, ex.graded_name)
+        assert source is not None, f"{ex.key}: no cell defines {ex.graded_name} in the released lab"
+        verdicts = in_process_verdicts(ex, source)
+        assert all(v is not None and "not implemented" in v.lower() for v in verdicts), (ex.key, verdicts)
 
 
 def test_labs_are_generated_from_solutions():

@@ -3,11 +3,8 @@
 import pytest
 
 from llmso_lab.grading import exercises, labs
-from llmso_lab.grading.check import outcome_in_process
-from llmso_lab.grading.child import PRELUDE
-from llmso_lab.grading.grader import expected_values, grade_notebook
-from llmso_lab.grading.protocol import verdict
-from lab_variants import VARIANTS, cell_source, notebook_with
+from llmso_lab.grading.grader import grade_notebook
+from lab_variants import VARIANTS, cell_source, in_process_verdicts, notebook_with
 
 
 def test_every_exercise_has_wrong_and_right_variants():
@@ -15,20 +12,6 @@ def test_every_exercise_has_wrong_and_right_variants():
     assert keys == set(VARIANTS), f"missing: {sorted(keys - set(VARIANTS))}, unknown: {sorted(set(VARIANTS) - keys)}"
     for key, v in VARIANTS.items():
         assert v["wrong"] and v["right"], key
-
-
-def _in_process_verdicts(ex, source):
-    """What check() would say on every case (hidden ones too), with the cell run in a fresh namespace."""
-    ns: dict = {"__name__": "__main__"}
-    exec(compile(PRELUDE, "<prelude>", "exec"), ns)
-    path = f"/tmp/llmso-variant-{ex.name}.py"
-    with open(path, "w") as f:
-        f.write(source)
-    import linecache
-    linecache.cache[path] = (len(source), None, source.splitlines(True), path)
-    exec(compile(source, path, "exec"), ns)
-    expected = expected_values(ex)
-    return [verdict(ex, c, outcome_in_process(ex, ns[ex.graded_name], i), expected[i]) for i, c in enumerate(ex.cases)]
 
 
 def _variants(lab, kind, index):
@@ -59,7 +42,7 @@ def test_variants_are_graded_as_they_deserve_and_check_agrees(lab, kind, index, 
             assert r.score == ex.points, f"{ex.key}: a correct answer lost points:\n" + "\n".join(r.lines)
         else:
             assert r.score < ex.points, f"{ex.key}: a wrong answer kept full marks:\n{sources[ex.key]}"
-        mine = _in_process_verdicts(ex, sources[ex.key])
+        mine = in_process_verdicts(ex, sources[ex.key])
         assert [v is None for v in mine] == [v is None for v in r.verdicts], (ex.key, mine, r.verdicts)
         public = [i for i, c in enumerate(ex.cases) if not c.hidden]
         assert [mine[i] for i in public] == [r.verdicts[i] for i in public], ex.key   # same messages too

@@ -74,14 +74,17 @@ exit 0
 """
 
 
-def build_package(lab: str, out_dir: Path, hidden_visibility: str = "after_published", root: Path | None = None
-                  ) -> Path:
-    """Write `autograder_labNN.zip` into `out_dir`; returns its path."""
+def build_package(lab: str, out_dir: Path, hidden_visibility: str = "after_published", root: Path | None = None,
+                  timeout_s: float | None = None) -> Path:
+    """Write `autograder_labNN.zip` into `out_dir`; returns its path. `timeout_s`: one wall-clock limit (seconds)
+    for every exercise instead of each exercise's own (config.json's "timeout_s"; e.g. a slower grading machine)."""
     from llmso_lab.grading.registry import exercises
     from llmso_lab.grading.tripwire import PACKAGE_DIR
 
     if hidden_visibility not in HIDDEN_VISIBILITY:
         raise ValueError(f"hidden visibility {hidden_visibility!r}: choose one of {', '.join(HIDDEN_VISIBILITY)}")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r}: give a positive number of seconds, or None for each exercise's own limit")
     exs = exercises(lab)   # checks the lab exists
     lab = exs[0].lab
     checkout = Path(root) if root else PACKAGE_DIR.parent
@@ -89,7 +92,7 @@ def build_package(lab: str, out_dir: Path, hidden_visibility: str = "after_publi
         raise ValueError(f"{checkout} has no pyproject.toml: build the package from a checkout of llmso-lab")
     spec = sys.modules[f"llmso_lab.grading.specs.lab{lab}"]
     config = {"lab": lab, "hidden_visibility": hidden_visibility, "needs_model": bool(getattr(spec, "NEEDS_MODEL", False)),
-              "torch_spec": TORCH_SPEC}
+              "torch_spec": TORCH_SPEC, "timeout_s": timeout_s}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     zip_path = out_dir / f"autograder_lab{lab}.zip"
@@ -140,7 +143,8 @@ def run(root: Path, config: Path) -> dict:
         from llmso_lab.grading.grader import grade_notebook
 
         nb = _find_notebook(Path(root) / "submission", lab)
-        res = grade_notebook(nb, lab=lab, hidden_visibility=cfg.get("hidden_visibility", "after_published"))
+        res = grade_notebook(nb, lab=lab, hidden_visibility=cfg.get("hidden_visibility", "after_published"),
+                             timeout_s=cfg.get("timeout_s"))
         if all(t["score"] == 0 and "no code cell defines" in t["output"] for t in res["tests"] if t["max_score"] > 0):
             res["output"] += (f" No exercise cell of lab {lab} was found in {nb.name}: is this the lab {lab} notebook, "
                               "with the exercise functions still named as in the lab?")
