@@ -33,6 +33,19 @@ def test_magnitude_mask_ties_are_deterministic_and_nested():
     assert all(bool((b <= a).all()) for a, b in zip(masks, masks[1:]))   # more sparsity prunes a superset
 
 
+def test_magnitude_mask_equals_the_stable_sort_definition_with_many_ties():
+    """The mask prunes what a stable ascending sort of |w| puts first (the definition), found without sorting."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        shape = tuple(int(x) for x in torch.randint(1, 30, (2,), generator=g))
+        w = torch.randint(-3, 4, shape, generator=g).float() if trial % 2 else torch.randn(shape, generator=g)
+        for sparsity in (0.0, 0.13, 0.5, 0.77, 1.0):
+            n = round(sparsity * w.numel())
+            ref = torch.ones(w.numel(), dtype=torch.bool)
+            ref[torch.sort(w.abs().flatten(), stable=True).indices[:n]] = False
+            assert torch.equal(magnitude_mask(w, sparsity), ref.reshape(shape)), (trial, sparsity)
+
+
 def test_magnitude_mask_rejects_bad_sparsity():
     with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\]"):
         magnitude_mask(torch.ones(4, 4), 1.5)

@@ -49,9 +49,13 @@ def magnitude_mask(w: Tensor, sparsity: float) -> Tensor:
     if not 0.0 <= sparsity <= 1.0:
         raise ValueError(f"sparsity must be in [0, 1] (a fraction of weights to zero), got {sparsity}")
     n_zero = round(sparsity * w.numel())
-    order = torch.sort(w.detach().abs().flatten(), stable=True).indices     # ascending |w|; equal |w| in index order
+    a = w.detach().abs().flatten()
     keep = torch.ones(w.numel(), dtype=torch.bool, device=w.device)
-    keep[order[:n_zero]] = False
+    if n_zero:   # = a stable sort's first n_zero (ascending |w|, equal |w| in index order), without sorting
+        t = a.kthvalue(n_zero).values                  # the n_zero-th smallest |w|
+        keep &= a >= t                                 # everything smaller goes
+        ties = (a == t).nonzero().flatten()            # then the earliest entries equal to t, as many as needed
+        keep[ties[:n_zero - (a < t).sum()]] = False
     return keep.reshape(w.shape)
 
 
