@@ -6,7 +6,9 @@ For each dtype (`LLM(dtype=...)`, one engine per dtype, the same seeded inputs):
 - decode tokens/s at batch 1 and batch 16 (32-token prompts, `decode_tokens` new tokens each, EOS ignored;
   the rate after every row has its first token; best of `repeats`);
 - the batching bench's continuous workload (`bench.batching`: 64 requests at t = 0, prompts 32-512, outputs
-  16-256, max_num_seqs 16): output tokens/s and TTFT p50/p99;
+  16-256, max_num_seqs 16): output tokens/s and TTFT p50/p99, run `workload_rounds` times with the dtypes
+  alternating (fp32, bf16, fp32, bf16, ...); the table keeps each dtype's best round, the round-by-round table
+  the paired ratios (each round's bf16 against the same round's fp32);
 - greedy agreement with the fp32 engine on that workload's outputs (`greedy_agreement`);
 - the continuous throughput as a share of the workload's roofline bound: its prefill FLOPs at this dtype's
   measured matmul ceiling plus its decode reads (all weights once per decode step, for the fewest steps
@@ -15,7 +17,9 @@ Then greedy agreement on a few real chat prompts: engine bf16 vs Hugging Face bf
 Hugging Face bf16 vs fp32 (how much bf16 itself moves the tokens).
 
 Ratios (same run): bf16_vs_fp32_prefill (256 tokens; _1024 too), bf16_vs_fp32_batch1, bf16_vs_fp32_batch16,
-bf16_vs_fp32_continuous_throughput, fp32_over_bf16_ttft_p50 / _p99 (> 1: bf16 answers sooner).
+bf16_vs_fp32_continuous_throughput, fp32_over_bf16_ttft_p50 / _p99 (> 1: bf16 answers sooner), and the worst
+round's paired bf16_vs_fp32_continuous_throughput_worst_round / fp32_over_bf16_ttft_p50_worst_round.
+Each row names its `linear_kernel` (which matmul path ran: oneDNN's packed bf16 kernel or aten's matmul).
 """
 from __future__ import annotations
 
@@ -35,9 +39,9 @@ from llmso_lab.bench.attention import _device_name
 __all__ = ["run", "greedy_agreement", "roofline_share"]
 
 FULL = dict(prefill_lens=(256, 1024), decode_tokens=64, decode_batch=16, repeats=3, chat_tokens=32, chat_prompts=4,
-            workload=batching.FULL)
+            workload=batching.FULL, workload_rounds=2)
 QUICK = dict(prefill_lens=(256, 1024), decode_tokens=16, decode_batch=16, repeats=2, chat_tokens=16, chat_prompts=2,
-             workload=dict(batching.QUICK, num_requests=8))
+             workload=dict(batching.QUICK, num_requests=8), workload_rounds=1)
 CHAT = ["Explain what a GPU does in two sentences.", "Write a haiku about the ocean.",
         "What is the capital of France, and why is it famous?", "List three tips for learning to program."]
 
@@ -111,6 +115,41 @@ def _decode_tok_s(llm, prompts: list[list[int]], new_tokens: int, repeats: int) 
     return 1.0 / _best(once, repeats)
 
 
+def _linear_kernel(llm) -> str:
+    """Which matmul kernel the engine's weights go through: "oneDNN packed" (`OneDNNLinear`, bf16 on CPUs that
+    multiply it natively) or "aten matmul" (plain `x @ w`)."""
+    from llmso_lab.engine.model_runner import OneDNNLinear
+
+    return "oneDNN packed" if isinstance(llm.model_runner.lm_head, OneDNNLinear) else "aten matmul"
+
+
+def step_split(traces) -> dict:
+    """Where a workload's time went: the steps that ran a prefill (whole or a chunk, decodes riding along) and the
+    pure decode steps, with the mean decode batch (from `LLM.step()`'s traces)."""
+    pre = [t for t in traces if t.prefill]
+    dec = [t for t in traces if t.decode and not t.prefill]
+    return {"prefill_steps": len(pre), "prefill_steps_s": sum(t.wall_time_s for t in pre),
+            "decode_steps": len(dec), "decode_steps_s": sum(t.wall_time_s for t in dec),
+            "decode_step_ms": 1e3 * sum(t.wall_time_s for t in dec) / max(1, len(dec)),
+            "decode_batch_mean": sum(len(t.decode) for t in dec) / max(1, len(dec))}
+
+
+def paired_rounds(by_round: list[dict]) -> list[dict]:
+    """Per round, each dtype's continuous throughput and TTFT against fp32's in the same round: the ratios a
+    machine's drift between rounds does not move (rows `by_round` as `run` collects them, fp32 first each round)."""
+    ref = {x["round"]: x for x in by_round if x["dtype"] == "float32"}
+    out = []
+    for x in by_round:
+        f = ref[x["round"]]
+        y = {**x, "vs_fp32_tok_s": x["continuous_tok_s"] / f["continuous_tok_s"],
+             "fp32_over_this_ttft_p50": f["ttft_p50_s"] / x["ttft_p50_s"]}
+        for part in ("prefill_steps_s", "decode_steps_s"):   # > 1: that part ran faster than fp32's
+            if x.get(part):
+                y[f"fp32_over_this_{part[:-2]}"] = f[part] / x[part]
+        out.append(y)
+    return out
+
+
 def _chat_agreement(tokenizer, engines: dict, hf: dict, n_prompts: int, new_tokens: int) -> dict:
     """Greedy outputs on real chat prompts: engine vs Hugging Face in the same dtype, bf16 vs fp32."""
     from llmso_lab.engine import SamplingParams
@@ -163,38 +202,49 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
     micro_len = min(limit, max(max(cfg["prefill_lens"]), 64 + cfg["chat_tokens"], 32 + cfg["decode_tokens"]) + 1)
     seconds = measure_seconds if measure_seconds is not None else (1.0 if quick else 3.0)
     cpu, matmul_s = hw.measure_cpu(seconds=seconds), seconds / 2   # fp32 ceiling and copy bandwidth
-    rows, outputs, engines, ttft = [], {}, {}, {}
+    rows, engines, dts = [], {}, {}
     for name in tqdm(dtypes, desc="bench precision"):
         llm = LLM(net, tokenizer, dtype=name, max_num_seqs=cfg["decode_batch"], max_model_len=micro_len,
                   max_num_batched_tokens=max(2048, micro_len))
         if name in ("float32", "bfloat16"):   # kept for the chat agreement below
             engines[name] = llm
-        dt = llm.dtype
+        dts[name] = llm.dtype
         _prefill_tok_s(llm, long_prompts[cfg["prefill_lens"][0]], 1)   # warm-up: first-call allocations
-        row = {"dtype": name}
+        row = {"dtype": name, "linear_kernel": _linear_kernel(llm)}
         for n in cfg["prefill_lens"]:
             row[f"prefill_{n}_tok_s"] = round(_prefill_tok_s(llm, long_prompts[n], cfg["repeats"]), 1)
         row["decode_b1_tok_s"] = round(_decode_tok_s(llm, short[:1], cfg["decode_tokens"], cfg["repeats"]), 1)
         row[f"decode_b{cfg['decode_batch']}_tok_s"] = round(_decode_tok_s(llm, short, cfg["decode_tokens"], cfg["repeats"]), 1)
-        # the batching bench's continuous workload, on a fresh engine as there (warmed up on a full batch first)
-        warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:B])]
-        batching._engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len, dtype=name)
-        cont, outs, _ = batching._engine(net, tokenizer, "continuous", reqs, prompts, B, max_model_len, dtype=name)
-        outputs[name] = [o.outputs[0].token_ids for o in outs]
-        t = latency_summary([o.metrics for o in outs], (50, 99))["ttft_s"]   # unrounded (the row rounds to 10 ms)
-        ttft[name] = (t["p50"], t["p99"])
-        row.update(continuous_tok_s=cont["output_tok_s"], ttft_p50_s=round(t["p50"], 3), ttft_p99_s=round(t["p99"], 3))
+        rows.append(row)
+    # The batching bench's continuous workload, on a fresh engine each time as there (warmed up on a full batch
+    # first). The dtypes alternate round by round (fp32, bf16, ..., fp32, bf16, ...): a machine whose speed drifts
+    # during the run (a shared host) then slows every dtype alike, and each round gives a paired ratio.
+    warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:B])]
+    by_round, outputs = [], {}
+    for r in range(cfg["workload_rounds"]):
+        for name in tqdm(dtypes, desc=f"continuous workload, round {r + 1}/{cfg['workload_rounds']}"):
+            batching._engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len, dtype=name)
+            cont, outs, traces = batching._engine(net, tokenizer, "continuous", reqs, prompts, B, max_model_len, dtype=name)
+            t = latency_summary([o.metrics for o in outs], (50, 99))["ttft_s"]   # unrounded (the row rounds to 10 ms)
+            by_round.append({"round": r + 1, "dtype": name, "continuous_tok_s": cont["output_tok_s"],
+                             "ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], **step_split(traces)})
+            outputs.setdefault(name, [o.outputs[0].token_ids for o in outs])   # greedy: the same tokens every round
+    best = {name: max((x for x in by_round if x["dtype"] == name), key=lambda x: x["continuous_tok_s"]) for name in dtypes}
+    for row in rows:
+        name = row["dtype"]
+        dt, b = dts[name], best[name]
+        row.update(continuous_tok_s=b["continuous_tok_s"], ttft_p50_s=round(b["ttft_p50_s"], 3),
+                   ttft_p99_s=round(b["ttft_p99_s"], 3))
         agree = greedy_agreement(outputs["float32"], outputs[name])
         divergent = [f for f in agree["first_divergence"] if f is not None]
         row.update(tokens_equal_vs_fp32=round(agree["tokens_equal"], 3), identical_vs_fp32=round(agree["identical"], 3),
                    first_divergence_median=statistics.median(divergent) if divergent else "-")
         peak = cpu.peak_flops if dt == torch.float32 else hw.measure_matmul(dt, matmul_s)   # this dtype's ceiling
-        bound, share = roofline_share(cont["output_tok_s"], [r.prompt_len for r in reqs], [r.output_len for r in reqs],
+        bound, share = roofline_share(b["continuous_tok_s"], [r.prompt_len for r in reqs], [r.output_len for r in reqs],
                                       B, shape, dt.itemsize, peak, cpu.mem_bandwidth)
         row.update(matmul_TFLOP_s=round(peak / 1e12, 3), roofline_bound_tok_s=round(bound, 1),
                    roofline_share=round(share, 3),
                    cpu_flags="-" if dt == torch.float32 else ("native" if native[dt][0] else "none (emulated)"))
-        rows.append(row)
     chat = {}
     if "bfloat16" in engines and tokenizer is not None:
         hf = {"float32": net, "bfloat16": load_model(model, dtype=torch.bfloat16)[0]}
@@ -209,9 +259,12 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
                   "bf16_vs_fp32_batch1": b["decode_b1_tok_s"] / f["decode_b1_tok_s"],
                   f"bf16_vs_fp32_batch{cfg['decode_batch']}": b[bb] / f[bb],
                   "bf16_vs_fp32_continuous_throughput": b["continuous_tok_s"] / f["continuous_tok_s"],
-                  "fp32_over_bf16_ttft_p50": ttft["float32"][0] / ttft["bfloat16"][0],
-                  "fp32_over_bf16_ttft_p99": ttft["float32"][1] / ttft["bfloat16"][1],
+                  "fp32_over_bf16_ttft_p50": f["ttft_p50_s"] / b["ttft_p50_s"],
+                  "fp32_over_bf16_ttft_p99": f["ttft_p99_s"] / b["ttft_p99_s"],
                   "bf16_tokens_equal_vs_fp32": b["tokens_equal_vs_fp32"]}
+        bf16_rounds = [x for x in paired_rounds(by_round) if x["dtype"] == "bfloat16"]
+        ratios["bf16_vs_fp32_continuous_throughput_worst_round"] = min(x["vs_fp32_tok_s"] for x in bf16_rounds)
+        ratios["fp32_over_bf16_ttft_p50_worst_round"] = min(x["fp32_over_this_ttft_p50"] for x in bf16_rounds)
         if chat:   # real chat prompts: far fewer near-ties than the workload's random-token prompts
             ratios["bf16_chat_tokens_equal_vs_fp32"] = chat["engine bf16 vs engine fp32"]["tokens_equal"]
         ratios = {k: round(v, 3) for k, v in ratios.items()}
@@ -220,7 +273,11 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
             "command": "llmso-lab bench precision" + (" --quick" if quick else ""), "model": model,
             "workload": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
             "targets": {"continuous throughput >= 1.5x fp32": ratios.get("bf16_vs_fp32_continuous_throughput", 0) >= 1.5,
-                        "TTFT p50 >= 1.5x lower": ratios.get("fp32_over_bf16_ttft_p50", 0) >= 1.5},
+                        "TTFT p50 >= 1.5x lower": ratios.get("fp32_over_bf16_ttft_p50", 0) >= 1.5,
+                        "both, in every round": min(ratios.get("bf16_vs_fp32_continuous_throughput_worst_round", 0),
+                                                    ratios.get("fp32_over_bf16_ttft_p50_worst_round", 0)) >= 1.5},
+            "tables": {"continuous workload, round by round (the dtypes alternate)": [
+                {k: round(v, 3) if isinstance(v, float) else v for k, v in x.items()} for x in paired_rounds(by_round)]},
             "chat_agreement": chat, "cpu_flags": {str(d)[6:]: why for d, (_, why) in native.items()},
             "auto_dtype": hw.auto_dtype("cpu")[1], "memory_bandwidth_GB_s": round(cpu.mem_bandwidth / 1e9, 2),
             "load_avg": [round(x, 2) for x in os.getloadavg()],
