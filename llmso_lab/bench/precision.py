@@ -136,7 +136,7 @@ def step_split(traces) -> dict:
 
 def paired_rounds(by_round: list[dict]) -> list[dict]:
     """Per round, each dtype's continuous throughput and TTFT against fp32's in the same round: the ratios a
-    machine's drift between rounds does not move (rows `by_round` as `run` collects them, fp32 first each round)."""
+    machine's drift between rounds does not move (rows `by_round` as `run` collects them)."""
     ref = {x["round"]: x for x in by_round if x["dtype"] == "float32"}
     out = []
     for x in by_round:
@@ -229,6 +229,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
             by_round.append({"round": r + 1, "dtype": name, "continuous_tok_s": cont["output_tok_s"],
                              "ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], **step_split(traces)})
             outputs.setdefault(name, [o.outputs[0].token_ids for o in outs])   # greedy: the same tokens every round
+    paired = paired_rounds(by_round)
     best = {name: max((x for x in by_round if x["dtype"] == name), key=lambda x: x["continuous_tok_s"]) for name in dtypes}
     for row in rows:
         name = row["dtype"]
@@ -262,7 +263,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
                   "fp32_over_bf16_ttft_p50": f["ttft_p50_s"] / b["ttft_p50_s"],
                   "fp32_over_bf16_ttft_p99": f["ttft_p99_s"] / b["ttft_p99_s"],
                   "bf16_tokens_equal_vs_fp32": b["tokens_equal_vs_fp32"]}
-        bf16_rounds = [x for x in paired_rounds(by_round) if x["dtype"] == "bfloat16"]
+        bf16_rounds = [x for x in paired if x["dtype"] == "bfloat16"]
         ratios["bf16_vs_fp32_continuous_throughput_worst_round"] = min(x["vs_fp32_tok_s"] for x in bf16_rounds)
         ratios["fp32_over_bf16_ttft_p50_worst_round"] = min(x["fp32_over_this_ttft_p50"] for x in bf16_rounds)
         if chat:   # real chat prompts: far fewer near-ties than the workload's random-token prompts
@@ -277,7 +278,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
                         "both, in every round": min(ratios.get("bf16_vs_fp32_continuous_throughput_worst_round", 0),
                                                     ratios.get("fp32_over_bf16_ttft_p50_worst_round", 0)) >= 1.5},
             "tables": {"continuous workload, round by round (the dtypes alternate)": [
-                {k: round(v, 3) if isinstance(v, float) else v for k, v in x.items()} for x in paired_rounds(by_round)]},
+                {k: round(v, 3) if isinstance(v, float) else v for k, v in x.items()} for x in paired]},
             "chat_agreement": chat, "cpu_flags": {str(d)[6:]: why for d, (_, why) in native.items()},
             "auto_dtype": hw.auto_dtype("cpu")[1], "memory_bandwidth_GB_s": round(cpu.mem_bandwidth / 1e9, 2),
             "load_avg": [round(x, 2) for x in os.getloadavg()],
