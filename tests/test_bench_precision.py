@@ -45,6 +45,7 @@ def test_bench_precision_structure():
         assert x["prefill_steps"] >= 1 and x["decode_steps"] >= 1 and 1 <= x["decode_batch_mean"] <= 2
         assert x["prefill_steps_s"] > 0 and x["decode_steps_s"] > 0
     assert all(x["vs_fp32_tok_s"] == 1.0 for x in rounds if x["dtype"] == "float32")
+    assert all(x["same_tokens_as_round_1"] is True for x in rounds)   # greedy, same inputs: each round repeats round 1
     bf = [x for x in rounds if x["dtype"] == "bfloat16"]
     assert res["ratios"]["bf16_vs_fp32_continuous_throughput_worst_round"] == pytest.approx(
         min(x["vs_fp32_tok_s"] for x in bf), abs=2e-3)

@@ -226,9 +226,11 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
             batching._engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len, dtype=name)
             cont, outs, traces = batching._engine(net, tokenizer, "continuous", reqs, prompts, B, max_model_len, dtype=name)
             t = latency_summary([o.metrics for o in outs], (50, 99))["ttft_s"]   # unrounded (the row rounds to 10 ms)
+            tokens = [o.outputs[0].token_ids for o in outs]
+            outputs.setdefault(name, tokens)   # round 1's; greedy should repeat them, and each round says whether it did
             by_round.append({"round": r + 1, "dtype": name, "continuous_tok_s": cont["output_tok_s"],
-                             "ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], **step_split(traces)})
-            outputs.setdefault(name, [o.outputs[0].token_ids for o in outs])   # greedy: the same tokens every round
+                             "ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], **step_split(traces),
+                             "same_tokens_as_round_1": tokens == outputs[name]})
     paired = paired_rounds(by_round)
     best = {name: max((x for x in by_round if x["dtype"] == name), key=lambda x: x["continuous_tok_s"]) for name in dtypes}
     for row in rows:
