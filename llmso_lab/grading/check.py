@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from llmso_lab.grading.protocol import attempt, verdict
-from llmso_lab.grading.registry import Exercise, get_exercise, resolve, run_case
-from llmso_lab.grading.tripwire import tripwire
+from llmso_lab.grading.registry import Exercise, expected_value, get_exercise, resolve
+from llmso_lab.grading.tripwire import DispatcherTripwire, tripwire
 
 __all__ = ["check", "CheckResult", "check_target"]
 
@@ -54,11 +54,28 @@ def check_target(ex: Exercise, obj):
     return partial(resolve(ex.launcher), obj), code.co_filename
 
 
+def spec_functions() -> list[str]:
+    """Every function of the loaded spec modules: the grader's job has none of them (their oracles and case
+    helpers compute answers), so here they are disabled too while the student's code runs."""
+    import sys
+
+    refs = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("llmso_lab.grading.specs.") and mod is not None:
+            refs += [f"{name}:{attr}" for attr, fn in vars(mod).items()
+                     if inspect.isfunction(fn) and fn.__module__ == name and "<locals>" not in fn.__qualname__]
+    return refs
+
+
 def outcome_in_process(ex: Exercise, obj, index: int) -> dict:
     """Run case `index` on the student's object here, references disabled (what the grader's child does)."""
     target, source_file = check_target(ex, obj)
-    with tripwire(ex.disabled, ex.key):
-        return attempt(target, ex.cases[index], ex.kind, source_file, catch_interrupt=False)
+    disabled = tuple(dict.fromkeys((*ex.disabled, *spec_functions())))
+    with tripwire(disabled, ex.key), DispatcherTripwire(ex.disabled, ex.key) as watch:
+        outcome = attempt(target, ex.cases[index], ex.kind, source_file, catch_interrupt=False)
+        if not watch.intact():
+            return {"ok": False, "category": "tripwire", "error": watch.broken_message()}
+        return outcome
 
 
 def check(name: str, fn=None) -> CheckResult:
@@ -75,7 +92,7 @@ def check(name: str, fn=None) -> CheckResult:
     oracle = resolve(ex.oracle or ex.reference)
     lines, passed, public = [], 0, [i for i, c in enumerate(ex.cases) if not c.hidden]
     for i in public:
-        expected = run_case(oracle, ex.cases[i], ex.kind)
+        expected = expected_value(oracle, ex.cases[i], ex.kind)
         msg = verdict(ex, ex.cases[i], outcome_in_process(ex, fn, i), expected)
         passed += msg is None
         lines.append(f"ok   {ex.cases[i].label}" if msg is None else f"FAIL {ex.cases[i].label}: {msg}")

@@ -81,9 +81,10 @@ def main() -> None:
     torch.set_num_threads(1)
     from llmso_lab.grading.protocol import argument_classes, attempt, describe, recv, send
     from llmso_lab.grading.registry import Case
-    from llmso_lab.grading.tripwire import disable
+    from llmso_lab.grading.tripwire import DispatcherTripwire, disable
 
     disable(job["runtime_tripwires"], job["exercise"])   # builtins; library references are stubs already
+    watch = DispatcherTripwire(job["operator_tripwires"], job["exercise"]).install()   # their aten operators
     ns: dict = {"__name__": "__main__"}
     exec(compile(prelude(job), "<prelude>", "exec"), ns)
     # Give the cell a real file so inspect.getsource works (Triton's @jit needs it).
@@ -101,6 +102,7 @@ def main() -> None:
     if target is None:
         return
     classes = argument_classes()   # e.g. hardware.Link: case arguments that are not plain data
+    broken = not watch.intact()   # the cell itself may have removed the dispatcher tripwire
     while True:
         try:
             msg = recv(rfd, classes=classes)
@@ -110,7 +112,9 @@ def main() -> None:
             return
         calls = [(m, tuple(a), dict(k)) for m, a, k in msg["calls"]] if msg["calls"] is not None else None
         case = Case("", tuple(msg["args"]), dict(msg["kwargs"]), calls=calls)
-        send(wfd, attempt(target, case, job["kind"], cell_file))
+        outcome = attempt(target, case, job["kind"], cell_file)
+        broken = broken or not watch.intact()   # once removed, no later case counts either
+        send(wfd, {"ok": False, "category": "tripwire", "error": watch.broken_message()} if broken else outcome)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from llmso_lab.grading import sandbox
 from llmso_lab.grading.integrity import near_copy
 from llmso_lab.grading.notebook import exercise_cell_source, read_notebook
 from llmso_lab.grading.protocol import recv, send, verdict
-from llmso_lab.grading.registry import Exercise, exercises, resolve, run_case
-from llmso_lab.grading.tripwire import PACKAGE_DIR, stub_package
+from llmso_lab.grading.registry import Exercise, exercises, expected_value, resolve
+from llmso_lab.grading.tripwire import PACKAGE_DIR, operator_tripwires, stub_package
 
 __all__ = ["ExerciseResult", "Runtime", "grade_notebook", "grade_exercise", "expected_values", "format_table",
            "lab_from_name"]
@@ -75,7 +75,7 @@ class ExerciseResult:
 def expected_values(ex: Exercise) -> list[Any]:
     """Run the library reference on every case (in this, the grading, process)."""
     oracle = resolve(ex.oracle or ex.reference)
-    return [run_case(oracle, case, ex.kind) for case in ex.cases]
+    return [expected_value(oracle, case, ex.kind) for case in ex.cases]
 
 
 class Runtime:
@@ -86,9 +86,13 @@ class Runtime:
         self.isolation = sandbox.isolation()
         self._tmp = tempfile.TemporaryDirectory(prefix="llmso-grade-lib-")
         self.lib = Path(self._tmp.name) / "llmso_lab"
-        shutil.copytree(PACKAGE_DIR, self.lib, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "hidden"))
-        (self.lib / "grading" / "hidden").mkdir()
-        (self.lib / "grading" / "hidden" / "__init__.py").write_text('"""Hidden checks are not shipped."""\n')
+        # Left out: the hidden checks, and the spec modules (their oracles and case helpers compute answers; the
+        # student's process needs neither: the grader sends each case's inputs).
+        shutil.copytree(PACKAGE_DIR, self.lib, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "hidden", "specs"))
+        for folder, doc in (("hidden", "Hidden checks are not shipped."),
+                            ("specs", "The exercise specs are not in the grader's sandbox (the grader sends the cases).")):
+            (self.lib / "grading" / folder).mkdir()
+            (self.lib / "grading" / folder / "__init__.py").write_text(f'"""{doc}"""\n')
         for path in [self.lib, *self.lib.rglob("*")]:   # readable by the student's uid, whatever the original's mode
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         self.binds: list[tuple[str, str, bool]] = []
@@ -164,31 +168,32 @@ def _child_env(ex: Exercise, rt: Runtime, job_root: Path, fds: tuple[int, int]) 
 
 def _run_job(ex: Exercise, source: str, timeout_s: float, rt: Runtime) -> tuple[dict | None, dict[int, Any], str]:
     """Run the exercise's cell and cases in a sandboxed job: (header, {case index: outcome}, how it ended)."""
-    job_root = Path(tempfile.mkdtemp(prefix=f"llmso-grade-{ex.name}-"))
-    fds: list[int] = []
-    try:
-        pkg = job_root / "lib" / "llmso_lab"
-        shutil.copytree(rt.lib, pkg)
-        runtime_tripwires = stub_package(pkg, ex.disabled, ex.key)
-        work = job_root / "work"
-        work.mkdir()
-        if rt.isolation.level == "uid":   # the student's uid reads the library copy by its host path
-            os.chmod(job_root, 0o711)
-        rlimits = {"AS": ex.memory_mb * 2**20, "CPU": int(2 * timeout_s + 10), "FSIZE": 64 * 2**20, "CORE": 0,
-                   "NOFILE": 1024}
-        job = {"exercise": ex.key, "graded_name": ex.graded_name, "launcher": ex.launcher, "kind": ex.kind,
-               "source": source, "runtime_tripwires": runtime_tripwires,
-               "rlimits": None if rt.isolation.supervised else rlimits}
-        (work / "job.json").write_text(json.dumps(job))
-        case_r, case_w = os.pipe()
-        result_r, result_w = os.pipe()
-        log_fd = os.open(job_root / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        fds += [case_r, case_w, result_r, result_w, log_fd]
-        os.set_blocking(case_w, False)
-        env = _child_env(ex, rt, job_root, (case_r, result_w))
-        argv = [rt.python, "-s", "-B", "-m", "llmso_lab.grading.child"]
-        with sandbox.Slot() if rt.isolation.supervised else _nothing() as slot:
-            if rt.isolation.supervised:
+    with sandbox.Slot() if rt.isolation.supervised else _nothing() as slot:
+        job_root = Path(tempfile.mkdtemp(prefix=f"llmso-grade-{ex.name}-"))
+        fds: list[int] = []
+        try:
+            pkg = job_root / "lib" / "llmso_lab"
+            shutil.copytree(rt.lib, pkg)
+            runtime_tripwires = stub_package(pkg, ex.disabled, ex.key)
+            work = job_root / "work"
+            work.mkdir()
+            if slot is not None:   # the library copy: this job's group only (the uid level reads it by its host path)
+                sandbox.restrict_to_job(str(job_root), slot.uid)
+            rlimits = {"AS": ex.memory_mb * 2**20, "CPU": int(2 * timeout_s + 10), "FSIZE": 64 * 2**20, "CORE": 0,
+                       "NOFILE": 1024}
+            job = {"exercise": ex.key, "graded_name": ex.graded_name, "launcher": ex.launcher, "kind": ex.kind,
+                   "source": source, "runtime_tripwires": runtime_tripwires,
+                   "operator_tripwires": operator_tripwires(ex.disabled),
+                   "rlimits": None if rt.isolation.supervised else rlimits}
+            (work / "job.json").write_text(json.dumps(job))
+            case_r, case_w = os.pipe()
+            result_r, result_w = os.pipe()
+            log_fd = os.open(job_root / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fds += [case_r, case_w, result_r, result_w, log_fd]
+            os.set_blocking(case_w, False)
+            env = _child_env(ex, rt, job_root, (case_r, result_w))
+            argv = [rt.python, "-s", "-B", "-m", "llmso_lab.grading.child"]
+            if slot is not None:
                 proc = sandbox.run_supervised(rt.isolation.level, argv, env, work_dir=str(work),
                                               root_dir=str(job_root / "root"),
                                               binds=[*rt.binds, (str(pkg), str(PACKAGE_DIR), False)], uid=slot.uid,
@@ -202,13 +207,14 @@ def _run_job(ex: Exercise, source: str, timeout_s: float, rt: Runtime) -> tuple[
                 fds.remove(fd)
             header, outcomes, how = _converse(ex, case_w, result_r, time.monotonic() + timeout_s, timeout_s)
             how = _finish(proc, rt, how)
-        if os.environ.get("LLMSO_LAB_GRADE_LOG"):   # instructors debugging the grader: the child's output
-            sys.stderr.write(f"--- {ex.key} ({how or 'ok'}):\n{(job_root / 'log.txt').read_text(errors='replace')[-4000:]}\n")
-        return header, outcomes, how
-    finally:
-        for fd in fds:
-            os.close(fd)
-        _remove_tree(job_root)
+            if os.environ.get("LLMSO_LAB_GRADE_LOG"):   # instructors debugging the grader: the child's output
+                sys.stderr.write(f"--- {ex.key} ({how or 'ok'}):\n"
+                                 f"{(job_root / 'log.txt').read_text(errors='replace')[-4000:]}\n")
+            return header, outcomes, how
+        finally:
+            for fd in fds:
+                os.close(fd)
+            _remove_tree(job_root)
 
 
 class _nothing:

@@ -11,6 +11,7 @@ back: the student's process never holds a list of the hidden cases.
 """
 from __future__ import annotations
 
+import builtins
 import io
 import os
 import select
@@ -41,6 +42,8 @@ HIDDEN_REASONS = {
     "error": "raised an exception (details are not shown for hidden checks)",
     "wrong": "wrong result",
     "size": "the result is far larger than expected",
+    "no_error": "returned a result where the docstring says to raise an error",
+    "other_error": "raised a different kind of exception than the docstring says",
 }
 
 
@@ -120,12 +123,15 @@ def describe(exc: BaseException, source_file: str | None) -> dict[str, str]:
         text = "(unprintable)"
     if MARK in text:
         return {"category": "tripwire", "error": text[text.index(MARK):][:600]}
+    # the builtin exception classes it is an instance of: a cell's own class named "ValueError" is not one (its
+    # __module__ can read "builtins" when the cell runs without a __name__, so the class itself is compared)
+    raised = [c.__name__ for c in type(exc).__mro__ if getattr(builtins, c.__name__, None) is c]
     frames = [fr for fr in traceback.extract_tb(exc.__traceback__) if source_file and fr.filename == source_file]
     at = f" at line {frames[-1].lineno} of the exercise cell" if frames else ""
     msg = f"{type(exc).__name__}{at}: {text}"
     if isinstance(exc, NameError):
         msg += " (exercise cells are graded on their own: import or define what they use inside the cell)"
-    return {"category": "error", "error": msg[:2000]}
+    return {"category": "error", "error": msg[:2000], "raised": raised}
 
 
 def attempt(target: Callable, case: Case, kind: str, source_file: str | None, *, catch_interrupt: bool = True) -> dict:
@@ -150,6 +156,8 @@ def verdict(ex: Exercise, case: Case, outcome: Any, expected: Any) -> str | None
     """None when the case passes, else why not (generic for hidden cases)."""
     if not isinstance(outcome, dict) or not isinstance(outcome.get("ok"), bool):
         return "malformed result"
+    if case.raises is not None:
+        return _error_verdict(case, outcome, expected)
     if not outcome["ok"]:
         category = outcome.get("category") if outcome.get("category") in HIDDEN_REASONS else "error"
         return HIDDEN_REASONS[category] if case.hidden else str(outcome.get("error", ""))[:2000]
@@ -163,3 +171,19 @@ def verdict(ex: Exercise, case: Case, outcome: Any, expected: Any) -> str | None
     if msg is None:
         return None
     return HIDDEN_REASONS["wrong"] if case.hidden else msg
+
+
+def _error_verdict(case: Case, outcome: dict, expected: dict) -> str | None:
+    """A documented error path: passed when the code raised `case.raises` (or a subclass)."""
+    if outcome["ok"]:
+        return HIDDEN_REASONS["no_error"] if case.hidden else (
+            f"expected {case.raises} for these inputs (the docstring asks for it; the reference says: "
+            f"{expected.get('message', '')!r}), got a result")
+    category = outcome.get("category")
+    if category in ("not_implemented", "exit", "memory", "tripwire"):
+        return HIDDEN_REASONS[category] if case.hidden else str(outcome.get("error", ""))[:2000]
+    raised = outcome.get("raised")
+    if isinstance(raised, list) and case.raises in raised:
+        return None
+    return HIDDEN_REASONS["other_error"] if case.hidden else (
+        f"expected {case.raises}, got {str(outcome.get('error', ''))[:300]}")

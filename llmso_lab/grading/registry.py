@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 from llmso_lab.grading.compare import Comparator, close
 
-__all__ = ["Case", "Exercise", "register", "hidden", "exercises", "get_exercise", "labs", "resolve", "run_case"]
+__all__ = ["Case", "Exercise", "register", "hidden", "exercises", "get_exercise", "labs", "resolve", "run_case",
+           "expected_value"]
 
 
 @dataclass(slots=True)
@@ -40,6 +41,8 @@ class Case:
     calls: list[tuple[str, tuple, dict]] | None = None
     compare: Comparator | None = None   # None: the exercise's comparator
     hidden: bool = False
+    raises: str | None = None   # the builtin exception the reference raises here (e.g. "ValueError"): a documented
+                                # error path, passed by raising that exception (or a subclass of it)
 
 
 @dataclass(slots=True)
@@ -64,7 +67,9 @@ class Exercise:
 
     @property
     def disabled(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((self.reference, *self.tripwires)))
+        """Everything disabled while the exercise runs: the reference, the tripwires and the oracle (which
+        computes the answer by definition)."""
+        return tuple(dict.fromkeys((self.reference, *self.tripwires, *((self.oracle,) if self.oracle else ()))))
 
     @property
     def key(self) -> str:
@@ -166,6 +171,21 @@ def resolve(path: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def expected_value(oracle: Callable, case: Case, kind: str) -> Any:
+    """What the oracle gives on `case`; for an error case (`case.raises`), {"raises": name, "message": text}. An
+    error case the oracle does not raise on is a mistake in the spec, and says so."""
+    if case.raises is None:
+        return run_case(oracle, case, kind)
+    try:
+        value = run_case(oracle, case, kind)
+    except Exception as exc:   # noqa: BLE001 - checked against the spec just below
+        if case.raises not in [c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins"]:
+            raise ValueError(f"case {case.label!r}: the reference raised {type(exc).__name__}, the spec says "
+                             f"{case.raises}") from exc
+        return {"raises": case.raises, "message": str(exc)[:300]}
+    raise ValueError(f"case {case.label!r}: the spec says the reference raises {case.raises}, it returned {value!r:.80}")
 
 
 def run_case(target: Callable, case: Case, kind: str) -> Any:

@@ -181,9 +181,29 @@ def run_supervised(level: str, argv: list[str], env: dict[str, str], *, work_dir
     os.makedirs(root_dir, exist_ok=True)
     os.chown(work_dir, uid, uid)
     os.chmod(work_dir, 0o700)
-    return subprocess.Popen([sys.executable, "-I", "-S", __file__, json.dumps(spec)], stdin=subprocess.DEVNULL,
+    # The job description goes through stdin, not argv: the job's init is a fork of the supervisor, and its
+    # /proc/PID/cmdline (readable by the student) would otherwise show the paths, uid and binds.
+    proc = subprocess.Popen([sys.executable, "-I", "-S", __file__, "--job-on-stdin"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(*pass_fds, log_fd),
                             start_new_session=True)
+    proc.stdin.write(json.dumps(spec).encode())   # read at once by the supervisor: no deadlock on a large spec
+    proc.stdin.close()
+    proc.stdin = None   # so that communicate() does not flush it
+    return proc
+
+
+def restrict_to_job(path: str, gid: int) -> None:
+    """Make the tree at `path` readable by the job's group only (owner root, group `gid`: directories 0750, files
+    0640; `path` itself 0710). At the uid level the student's process reads its library copy by its host path
+    under /tmp; another job's uid (another group) can neither list nor read it, and the student cannot write it."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in filenames:
+            f = os.path.join(dirpath, name)
+            os.chown(f, 0, gid, follow_symlinks=False)
+            os.chmod(f, 0o640)
+        os.chown(dirpath, 0, gid)
+        os.chmod(dirpath, 0o750)
+    os.chmod(path, 0o710)
 
 
 def _cgroup_roots() -> list[tuple[str, str]]:
@@ -468,5 +488,6 @@ def _probe_main() -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--probe":
         _probe_main()
-    else:
-        print(json.dumps(_supervise(json.loads(sys.argv[1]))), flush=True)
+    elif sys.argv[1] == "--job-on-stdin":
+        job_spec = json.loads(sys.stdin.read())
+        print(json.dumps(_supervise(job_spec)), flush=True)

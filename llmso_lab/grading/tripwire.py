@@ -8,6 +8,11 @@ Two mechanisms, one message:
   them afterwards: every alias of a Python function trips (a name imported earlier, a method, a function
   stored in a dict, a closure). Builtins (torch's SDPA, Tensor methods) are replaced by name in their owner;
   the grader's child does this too (`disable`), for what has no source to rewrite.
+A third mechanism covers computations torch reaches by many routes: a Python name swapped in its owner does not
+stop `torch._C._nn.scaled_dot_product_attention` or `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`.
+For the references in `OPERATORS`, `DispatcherTripwire` registers a raising kernel for every matching aten
+operator in torch's dispatcher, which every route ends in; `intact()` says whether the registrations are still
+the ones it made (a submission that removes or replaces them loses the case: see `child.py` and `check.py`).
 A student can still copy library source by hand; the grader reports near-copies to the instructor.
 """
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -204,5 +210,80 @@ def stub_package(package_copy: Path, references: Sequence[str], exercise: str) -
             by_file.setdefault(rel, []).append((qualname, message(ref, exercise)))
     for rel, targets in by_file.items():
         path = Path(package_copy) / rel
-        path.write_text(_stub_source(path.read_text(), targets))
+        if path.exists():   # absent (the spec modules): nothing in the job can import it
+            path.write_text(_stub_source(path.read_text(), targets))
     return remaining
+
+
+# ---- the dispatcher: operators torch reaches by many names ---------------------------------------
+# A disabled reference -> substrings of the aten operator names that compute the same thing (every overload,
+# the backends' fused kernels and the math fallback).
+OPERATORS = {
+    "torch.nn.functional:scaled_dot_product_attention": ("scaled_dot_product", "_native_multi_head_attention"),
+}
+_KEYS = ("CompositeImplicitAutograd", "CompositeExplicitAutograd", "CPU", "CUDA")
+
+
+def operator_tripwires(references: Sequence[str]) -> list[str]:
+    """Those of `references` that are also disabled at the dispatcher."""
+    return [r for r in references if r in OPERATORS]
+
+
+def _operator_names(references: Sequence[str]) -> list[str]:
+    import torch
+
+    subs = [sub for r in references for sub in OPERATORS.get(r, ())]
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::") and
+                  any(sub in n for sub in subs))
+
+
+class DispatcherTripwire:
+    """Raising kernels for the aten operators behind `references` (see `OPERATORS`), for as long as it lives."""
+
+    def __init__(self, references: Sequence[str], exercise: str) -> None:
+        self.references = operator_tripwires(references)
+        self.exercise = exercise
+        self._lib = None
+        self._dumps: dict[str, str] = {}
+
+    def install(self) -> "DispatcherTripwire":
+        import torch
+
+        if not self.references:
+            return self
+        text = message(" / ".join(self.references) + " (by any name: torch._C, torch.ops.aten)", self.exercise)
+
+        def _operator_tripwire(*args, **kwargs):
+            raise RuntimeError(text)
+
+        self._lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():   # "overriding a previously registered kernel": that is the point
+            warnings.simplefilter("ignore")
+            for full in _operator_names(self.references):
+                name = full.split("::", 1)[1]
+                for key in _KEYS:
+                    if torch._C._dispatch_has_kernel_for_dispatch_key(full, key):
+                        self._lib.impl(name, _operator_tripwire, key)
+                self._dumps[full] = torch._C._dispatch_dump(full)
+        return self
+
+    def intact(self) -> bool:
+        """Are the registrations still exactly those `install` made (none removed, none replaced)?"""
+        import torch
+
+        return all(torch._C._dispatch_dump(full) == dump for full, dump in self._dumps.items())
+
+    def broken_message(self) -> str:
+        return (f"{MARK}: the dispatcher tripwire on {', '.join(self.references)} was removed or replaced while "
+                f"exercise '{self.exercise}' was graded; this check and the ones after it are not counted.")
+
+    def remove(self) -> None:
+        if self._lib is not None:
+            self._lib._destroy()
+            self._lib = None
+
+    def __enter__(self) -> "DispatcherTripwire":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
