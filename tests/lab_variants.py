@@ -889,7 +889,19 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    return torch.exp(alpha * torch.log(a) - (1 - alpha) * torch.log(b))\n"],
     },
     "lab06/awq_scale_search": {
-        "wrong": ["from llmso_lab.quant.rtn import fake_quantize as rtn_fake_quantize\n"
+        "wrong": ['from llmso_lab.quant.rtn import fake_quantize as rtn_fake_quantize\n'
+                  'def awq_scale_search(w, x, bits=4, group_size=64, grid=20):\n'
+                  '    s_x = x.abs().mean(0)\n'
+                  '    best = None\n'
+                  '    for i in range(1, grid):  # the grid starts at 1/grid: alpha 0 (plain RTN) is never tried\n'
+                  '        s = s_x.pow(i / grid).clamp_min(1e-4)\n'
+                  '        s = s / (s.max() * s.min()).sqrt()\n'
+                  '        w_q = rtn_fake_quantize(w * s, bits, group_size=group_size, symmetric=True) / s\n'
+                  '        loss = (x @ w_q.T - x @ w.T).pow(2).mean()\n'
+                  '        if best is None or loss < best[0]:\n'
+                  '            best = (loss, s)\n'
+                  '    return best[1]\n',
+                  "from llmso_lab.quant.rtn import fake_quantize as rtn_fake_quantize\n"
                   "def awq_scale_search(w, x, bits=4, group_size=64, grid=20):\n"
                   "    s_x = x.abs().mean(0)\n"
                   "    best = None\n"
@@ -1100,7 +1112,11 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    return kept, freed\n"],
     },
     "lab08/shard_linear": {
-        "wrong": ["def shard_linear(weight, rank, tp, style):\n"
+        "wrong": ['import torch\n'
+                  'def shard_linear(weight, rank, tp, style):\n'
+                  "    dim = 0 if style == 'column' else 1  # no ValueError: an unknown style is taken as row, chunk splits unevenly\n"
+                  '    return torch.chunk(weight, tp, dim=dim)[rank].contiguous()\n',
+                  "def shard_linear(weight, rank, tp, style):\n"
                   "    dim = 1 if style == 'column' else 0  # rows and columns swapped: column-parallel splits the inputs\n"
                   "    step = weight.shape[dim] // tp\n"
                   "    return weight.narrow(dim, rank * step, step)\n",
@@ -1193,7 +1209,18 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    return torch.tensor(out, dtype=torch.long).reshape(T, k)\n"],
     },
     "lab08/ring_attention_step": {
-        "wrong": ["import torch\n"
+        "wrong": ['import torch\n'
+                  'def ring_attention_step(o, lse, q, k_blk, v_blk, q_pos, k_pos, scale):\n'
+                  '    s = (q.float() @ k_blk.float().transpose(-2, -1)) * scale\n'
+                  "    s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float('-inf'))\n"
+                  '    e = torch.exp(s)  # naive exp merge: no max subtracted, exp overflows fp32 for scores above ~88\n'
+                  '    blk_l = e.sum(-1)\n'
+                  '    blk_o = (e @ v_blk.float()) / torch.where(blk_l > 0, blk_l, torch.ones_like(blk_l))[..., None]\n'
+                  '    old_l = torch.exp(lse)\n'
+                  '    tot = old_l + blk_l\n'
+                  '    d = torch.where(tot > 0, tot, torch.ones_like(tot))\n'
+                  '    return (old_l[..., None] * o + blk_l[..., None] * blk_o) / d[..., None], torch.log(tot)\n',
+                  "import torch\n"
                   "def ring_attention_step(o, lse, q, k_blk, v_blk, q_pos, k_pos, scale):\n"
                   "    s = (q.float() @ k_blk.float().transpose(-2, -1)) * scale  # no causal mask\n"
                   "    blk_lse = torch.logsumexp(s, dim=-1)\n"
@@ -1232,7 +1259,16 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    return num / torch.where(total > 0, total, torch.ones_like(total))[..., None], m + torch.log(total)\n"],
     },
     "lab09/kv_transfer_bytes": {
-        "wrong": ["def kv_transfer_bytes(config, num_prompt_tokens, num_cached_tokens=0, dtype_bytes=2):\n"
+        "wrong": ['def kv_transfer_bytes(config, num_prompt_tokens, num_cached_tokens=0, dtype_bytes=2):\n'
+                  '    if not 0 <= num_cached_tokens <= num_prompt_tokens:\n'
+                  "        raise ValueError('num_cached_tokens must lie in [0, num_prompt_tokens]')\n"
+                  "    tokens, layers = num_prompt_tokens - num_cached_tokens, config['num_hidden_layers']\n"
+                  "    if config.get('kv_lora_rank'):\n"
+                  "        return layers * (config['kv_lora_rank'] + config['qk_rope_head_dim']) * dtype_bytes * tokens\n"
+                  "    heads = config['num_attention_heads']\n"
+                  "    kv_heads = config.get('num_key_value_heads') or heads\n"
+                  "    return 2 * layers * kv_heads * (config['hidden_size'] // heads) * dtype_bytes * tokens  # ignores head_dim\n",
+                  "def kv_transfer_bytes(config, num_prompt_tokens, num_cached_tokens=0, dtype_bytes=2):\n"
                   "    if not 0 <= num_cached_tokens <= num_prompt_tokens:\n"
                   "        raise ValueError('num_cached_tokens must lie in [0, num_prompt_tokens]')\n"
                   "    tokens, layers = num_prompt_tokens - num_cached_tokens, config['num_hidden_layers']\n"
@@ -1288,7 +1324,12 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "               for shape in per_layer)\n"],
     },
     "lab09/exposed_transfer_time": {
-        "wrong": ["def exposed_transfer_time(compute_s, transfer_s, layerwise=True):\n"
+        "wrong": ['def exposed_transfer_time(compute_s, transfer_s, layerwise=True):\n'
+                  '    if not layerwise:\n'
+                  '        return sum(transfer_s)\n'
+                  '    # closed form from the first and the last layer only: misses a backlog that starts in the middle\n'
+                  '    return max(transfer_s[-1], sum(transfer_s) - sum(compute_s[1:]))\n',
+                  "def exposed_transfer_time(compute_s, transfer_s, layerwise=True):\n"
                   "    return transfer_s[-1] if layerwise else sum(transfer_s)  # ignores the backlog of a slow link\n",
                   "def exposed_transfer_time(compute_s, transfer_s, layerwise=True):\n"
                   "    return sum(transfer_s)  # as if layer-wise sending hid nothing\n",
@@ -1418,7 +1459,12 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
         "right": [KIVI_VECTORISED, KIVI_LOOPS],
     },
     "lab10/streaming_keep": {
-        "wrong": ["def streaming_keep(seq_len, budget, num_sink=4):\n"
+        "wrong": ['def streaming_keep(seq_len, budget, num_sink=4):\n'
+                  '    if budget >= seq_len:  # no ValueError for budget < num_sink + 1\n'
+                  '        return torch.arange(seq_len)\n'
+                  '    recent = max(budget - num_sink, 0)\n'
+                  '    return torch.cat([torch.arange(min(num_sink, budget)), torch.arange(seq_len - recent, seq_len)])\n',
+                  "def streaming_keep(seq_len, budget, num_sink=4):\n"
                   "    if budget < num_sink + 1:\n"
                   "        raise ValueError('budget must exceed num_sink')\n"
                   "    if budget >= seq_len:\n"

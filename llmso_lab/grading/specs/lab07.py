@@ -56,6 +56,8 @@ register(
         Case("the first draft is wrong: the target's token only", ([4, 9, 2, 7], [5, 9, 2])),
         Case("a mismatch in the middle", ([5, 9, 3, 7], [5, 9, 2])),
         Case("no drafts (k = 0)", ([11], [])),
+        Case("drafts agree again after the mismatch: still only those before it", ([5, 1, 2, 7, 8], [5, 9, 2, 7]),
+             hidden=True),
     ], compare=exact(), tripwires=VERIFY_CODE + ("llmso_lab.spec.verify:verify_with_randoms",),
         description="temperature 0: the longest run of drafts equal to the target's argmax, then its own token"),
     Exercise("ngram_propose", "07", 20, "llmso_lab.spec.ngram:ngram_propose", [

@@ -119,6 +119,11 @@ register(
         Case("tp 1: the whole weight", (counting_weight(3, 5), 0, 1, "row")),
         Case("a random fp16 weight [6, 8], row-parallel, tp 4, rank 2: values and dtype unchanged",
              (randn(6, 8, seed=1).half(), 2, 4, "row")),
+        Case("an unknown style ('rows'): ValueError, as the docstring says", (counting_weight(4, 6), 0, 2, "rows"),
+             raises="ValueError"),
+        Case("9 output features over tp 2 (column): ValueError, not uneven shards", (counting_weight(9, 4), 0, 2,
+                                                                                      "column"), raises="ValueError"),
+        Case("6 input features over tp 4 (row): ValueError", (counting_weight(4, 6), 1, 4, "row"), raises="ValueError"),
     ], compare=exact(),
         description="rank r's slice of a Hugging Face weight [out, in]: rows (column-parallel) or columns "
                     "(row-parallel)"),
@@ -174,6 +179,8 @@ register(
         Case("large scores (up to ~117, lse ~100): exp(s) and exp(lse) overflow fp32, so subtract a max (or use "
              "torch.logsumexp / logaddexp)",
              ring_inputs(2, 16, range(6, 10), range(2, 8), seed=8, before=range(0, 2), scale=1.0, q_scale=16.0)),
+        Case("large scores on the diagonal block after a large-score state", ring_inputs(
+            3, 8, range(6, 12), range(6, 12), seed=9, before=range(0, 6), scale=1.0, q_scale=20.0), hidden=True),
     ], compare=attention_state(), tripwires=ATTENTION_MERGE_CODE,
         description="fold one KV block into a query block's running (o, lse), causal by global position"),
 )

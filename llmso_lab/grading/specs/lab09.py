@@ -20,6 +20,8 @@ KV_CONFIG_CODE = ("llmso_lab.hardware:kv_cache_bytes_of_config", "llmso_lab.hard
 LLAMA2_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}   # MHA: no num_key_value_heads
 GEMMA2_9B = {"num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8, "hidden_size": 3584,
              "head_dim": 256}   # head_dim 256, not 3584 / 16 = 224
+QWEN3_4B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 2560,
+            "head_dim": 128}   # head_dim 128, not 2560 / 32 = 80
 
 MS = 1e-3
 
@@ -31,6 +33,7 @@ register(
         Case("Llama-2-7B (MHA: no num_key_value_heads, so 32 KV heads), 512 tokens", (LLAMA2_7B, 512)),
         Case("Gemma-2-9B-like: head_dim 256 is given and differs from hidden_size / heads (224), 100 tokens",
              (GEMMA2_9B, 100)),
+        Case("Qwen3-4B-like: head_dim 128 where hidden_size / heads is 80, 64 tokens", (QWEN3_4B, 64), hidden=True),
         Case("DeepSeek-V3 (MLA): 61 layers x (512 latent + 64 RoPE key) x 2 B per token, no factor 2, 4096 tokens",
              (DEEPSEEK_V3, 4096)),
         Case("Llama-3-70B, 8192-token prompt of which the decode worker caches 6144: only 2048 tokens travel",
@@ -39,6 +42,9 @@ register(
         Case("SmolLM2 in fp32 (dtype_bytes=4), 256 tokens, 56 cached", (SMOLLM2, 256), {"num_cached_tokens": 56,
                                                                                        "dtype_bytes": 4}),
         Case("Llama-3-70B with an fp8 KV cache (dtype_bytes=1), 1000 tokens", (LLAMA3_70B, 1000), {"dtype_bytes": 1}),
+        Case("more cached tokens than the prompt has (301 of 300): ValueError", (SMOLLM2, 300, 301),
+             raises="ValueError"),
+        Case("a negative number of cached tokens: ValueError", (SMOLLM2, 300, -1), raises="ValueError"),
     ], compare=exact(), tripwires=KV_CONFIG_CODE,
         description="KV bytes of the prompt tokens the decode worker does not hold yet, for an HF config "
                     "(MHA/GQA/MQA: 2 x layers x kv_heads x head_dim; MLA: layers x (kv_lora_rank + qk_rope_head_dim))"),
@@ -49,6 +55,9 @@ register(
              ([MS] * 4, [2 * MS] * 4)),
         Case("uneven layers: a slow transfer in the middle delays the ones after it",
              ([MS, MS, 0.2 * MS, 0.2 * MS], [0.5 * MS, 2 * MS, MS, 0.3 * MS])),
+        Case("a slow transfer early, fast layers after it: the backlog from layer 3 decides, not the first or the last",
+             ([MS, MS, MS, 0.1 * MS, 0.1 * MS, 0.1 * MS], [0.2 * MS, 0.2 * MS, 3 * MS, 0.5 * MS, 0.5 * MS, 0.2 * MS]),
+             hidden=True),
         Case("layerwise=False: the whole cache is sent after the last layer, so every transfer is exposed",
              ([MS] * 4, [0.5 * MS] * 4), {"layerwise": False}),
         Case("one layer: its transfer starts when the prefill ends, layer-wise or not", ([3 * MS], [MS])),
@@ -66,6 +75,7 @@ register(
         Case("2 instances: one per pool, whatever the rates", (2, 100, 1000, 50000.0, 500.0)),
         Case("10 instances, lengths alone would say 1 : 1 (input = output = 500), but prefill is 9x faster",
              (10, 500, 500, 9000.0, 1000.0)),
+        Case("1 instance cannot hold both pools: ValueError", (1, 100, 100, 1000.0, 1000.0), raises="ValueError"),
     ], compare=exact(), tripwires=("llmso_lab.sim.disagg:pd_capacity",),
         description="(prefill, decode) instances out of a total that serve the most requests per second: "
                     "min(x * prefill_tok_s / input_len, y * decode_tok_s / output_len); fewest prefill on a tie"),

@@ -168,7 +168,10 @@ register(
         Case("budget one short of T: only token 4 is dropped", (25, 24)),
         Case("budget = T: every token", (16, 16)),
         Case("budget > T: every token (16 of them, not 40)", (16, 40)),
-    ], compare=same, description="StreamingLLM keep-set: the first num_sink tokens and the most recent "
+        Case("budget = num_sink (4 of 4): no room for a recent token, ValueError", (100, 4), raises="ValueError"),
+        Case("budget 2 < 3 sinks: ValueError, even with a short sequence", (2, 2, 3), raises="ValueError"),
+    ], compare=same, tripwires=("llmso_lab.kv.streaming:streaming_block_keep",),   # the same rule, in blocks
+        description="StreamingLLM keep-set: the first num_sink tokens and the most recent "
                                  "budget - num_sink, sorted (int64)"),
     Exercise("h2o_keep", "10", 20, f"{EVICT}:h2o_keep", [
         Case("4 heads, T=32, budget 12 = 4 recent + 8 heavy hitters (column sums of causal attention)",
