@@ -1,0 +1,299 @@
+"""Attacks on the grader found by grading Labs 04-10 as an attacker would (issue 34), each of which must fail.
+
+Each test grades a solution notebook with the attacked exercise's cell replaced by the attack: that exercise earns
+only what its honest parts earn, the others keep their points. `check()` (the notebook's own feedback) must not be
+fooled either, where the attack can run in the student's kernel.
+"""
+import textwrap
+
+import pytest
+import torch
+
+from llmso_lab.grading import check, get_exercise, sandbox
+from llmso_lab.grading.tripwire import DispatcherTripwire
+from test_grading_attacks import graded, isolated, level  # noqa: F401 - `level` is a fixture
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def run_cell(source: str, name: str):
+    """Define the cell's function here (for check() in this process)."""
+    ns: dict = {}
+    exec(compile(textwrap.dedent(source), f"<{name}>", "exec"), ns)
+    return ns[name]
+
+
+# ---- 1. another job's library copy (uid level) --------------------------------------------------------
+NEIGHBOUR_THIEF = """\
+import os, sys, time, importlib
+def kv_waste(lengths, scheme, **kw):
+    own = os.environ.get("PYTHONPATH", "")
+    seen, errors, end = [], [], time.time() + 20
+    while time.time() < end:
+        seen = [d for d in os.listdir("/tmp") if d.startswith("llmso-grade-") and "-lib-" not in d
+                and not own.startswith(os.path.join("/tmp", d))]
+        for d in seen:
+            lib = os.path.join("/tmp", d, "lib")
+            try:
+                os.listdir(os.path.join(lib, "llmso_lab"))
+                for m in [m for m in sys.modules if m.startswith("llmso_lab")]:
+                    del sys.modules[m]
+                sys.path.insert(0, lib)
+                return importlib.import_module("llmso_lab.kv.fragmentation").waste(lengths, scheme, **kw)
+            except Exception as exc:
+                errors.append(f"{d}: {type(exc).__name__}")
+        if errors:
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"neighbours seen: {len(seen)}; errors: {sorted(set(errors))[:3]}")
+"""
+SLOW_NEIGHBOUR = """\
+import time
+time.sleep(8)   # keeps this job (and its library copy) alive while the other exercise looks for it
+class BlockAllocator:
+    pass
+"""
+
+
+def test_a_job_cannot_read_the_library_copy_of_the_job_beside_it(tmp_path, level):
+    tests, res = graded(tmp_path, "04", {"lab04/kv_waste": NEIGHBOUR_THIEF, "lab04/BlockAllocator": SLOW_NEIGHBOUR},
+                        only=["kv_waste", "BlockAllocator"], workers=2)
+    out = tests["kv_waste"]["output"]
+    assert tests["kv_waste"]["score"] == 0, out
+    if level == "uid":   # the neighbour's folder is there to be seen (so the test can fail), but not to be read
+        assert "neighbours seen: 1" in out and "PermissionError" in out, out
+    else:                # isolated: its own /tmp, nothing of another job in it
+        assert "neighbours seen: 0" in out, out
+
+
+@isolated
+def test_the_jobs_init_does_not_show_the_job_description(tmp_path):
+    tests, _ = graded(tmp_path, "00", {"lab00/roofline_time": """\
+        def roofline_time(flops, bytes_moved, peak_flops, bandwidth):
+            raise ValueError("CMDLINE " + open("/proc/1/cmdline", "rb").read().replace(b"\\0", b" ").decode())
+        """}, only=["roofline_time"])
+    line = next(ln for ln in tests["roofline_time"]["output"].splitlines() if "CMDLINE" in ln)
+    assert "sandbox.py" in line, line   # it did read the init's command line
+    for secret in ("binds", "uid", "/job", "rlimits", "llmso_lab.grading.child"):
+        assert secret not in line, line
+
+
+# ---- 2. spec helpers that compute answers -------------------------------------------------------------
+KIVI_FROM_ORACLE = """\
+from llmso_lab.grading.specs.lab10 import kivi_oracle
+def kivi_fake_quantize(k, v, bits, group_size, residual_length):
+    return kivi_oracle(k, v, bits, group_size, residual_length)
+"""
+SNAPKV_FROM_VOTES = """\
+import torch
+from llmso_lab.grading.specs.lab10 import _pooled_votes
+def snapkv_keep(q_obs, k, budget, window, kernel_size=7):
+    T = k.shape[1]
+    if budget >= T:
+        return torch.arange(T).expand(k.shape[0], T).clone()
+    top = _pooled_votes(q_obs, k, kernel_size)[:, : T - window].topk(budget - window, dim=-1).indices
+    tail = torch.arange(T - window, T).expand(k.shape[0], window)
+    return torch.cat([top, tail], dim=-1).sort(dim=-1).values
+"""
+RING_FROM_ATTEND = """\
+import torch
+from llmso_lab.grading.specs.lab08 import _attend
+def ring_attention_step(o, lse, q, k_blk, v_blk, q_pos, k_pos, scale):
+    blk_o, blk_lse = _attend(q.float(), k_blk.float(), v_blk.float(), q_pos, k_pos, scale)
+    new = torch.logaddexp(lse, blk_lse)
+    safe = new.nan_to_num(neginf=0.0)
+    return torch.exp(lse - safe)[..., None] * o + torch.exp(blk_lse - safe)[..., None] * blk_o, new
+"""
+
+
+def test_spec_oracles_and_helpers_are_not_in_the_graders_sandbox(tmp_path):
+    tests, _ = graded(tmp_path, "10", {"lab10/kivi_fake_quantize": KIVI_FROM_ORACLE,
+                                       "lab10/snapkv_keep": SNAPKV_FROM_VOTES},
+                      only=["kivi_fake_quantize", "snapkv_keep", "streaming_keep"])
+    assert tests["kivi_fake_quantize"]["score"] == 0, tests["kivi_fake_quantize"]["output"]
+    assert tests["snapkv_keep"]["score"] == 0, tests["snapkv_keep"]["output"]
+    assert "No module named" in tests["snapkv_keep"]["output"]
+    assert tests["streaming_keep"]["score"] == get_exercise("streaming_keep").points
+    tests, _ = graded(tmp_path, "08", {"lab08/ring_attention_step": RING_FROM_ATTEND}, only=["ring_attention_step"])
+    assert tests["ring_attention_step"]["score"] == 0, tests["ring_attention_step"]["output"]
+
+
+@pytest.mark.parametrize("name,source", [("kivi_fake_quantize", KIVI_FROM_ORACLE), ("snapkv_keep", SNAPKV_FROM_VOTES),
+                                         ("ring_attention_step", RING_FROM_ATTEND)])
+def test_check_disables_the_spec_helpers_too(name, source):
+    res = check(name, fn=run_cell(source, name))
+    # every case that reaches the helper trips (snapkv's budget >= T case returns before it, and passes)
+    assert res.passed < res.total and "TRIPWIRE" in repr(res), res
+
+
+def test_an_exercises_oracle_is_always_disabled():
+    for name in ("kivi_fake_quantize", "prefix_cache_hits", "flash_attention"):
+        ex = get_exercise(name)
+        assert ex.oracle and ex.oracle in ex.disabled, name
+
+
+# ---- 3. tripwires at the operator, not the name ---------------------------------------------------------
+GQA_BY_C_NN = """\
+import torch
+def gqa_attention(q, k, v, causal=False):
+    Nq, Nk = q.shape[2], k.shape[2]
+    mask = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq) if causal else None   # bottom-right
+    return torch._C._nn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+"""
+GQA_BY_ATEN = """\
+import torch
+def gqa_attention(q, k, v, causal=False):
+    Nq, Nk = q.shape[2], k.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    mask = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq) if causal else None
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k.repeat_interleave(rep, 1),
+                                                            v.repeat_interleave(rep, 1), attn_mask=mask)[0]
+"""
+GQA_UNPLUGGING_THE_WATCH = """\
+import gc, torch
+def gqa_attention(q, k, v, causal=False):
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.library.Library):
+            obj._destroy()
+    rep = q.shape[1] // k.shape[1]
+    Nq, Nk = q.shape[2], k.shape[2]
+    mask = torch.ones(Nq, Nk, dtype=torch.bool).tril(Nk - Nq) if causal else None
+    return torch._C._nn.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                     attn_mask=mask)
+"""
+MLA_BY_C_NN = """\
+import torch
+def mla_decode_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale):
+    q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+    q = torch.cat([q_lat, q_pe], -1).transpose(0, 1)                   # [H, 1, r + dr]
+    k = torch.cat([c_kv, k_pe], -1)[None].expand(q.shape[0], -1, -1)   # [H, S, r + dr]
+    v = c_kv[None].expand(q.shape[0], -1, -1)
+    o_lat = torch._C._nn.scaled_dot_product_attention(q, k, v, scale=scale).transpose(0, 1)
+    return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+"""
+RING_BY_FLASH_CPU = """\
+import torch
+def ring_attention_step(o, lse, q, k_blk, v_blk, q_pos, k_pos, scale):
+    mask = k_pos[None, :] <= q_pos[:, None]
+    blk_o, blk_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float()[None], k_blk.float()[None], v_blk.float()[None], attn_mask=torch.where(mask, 0.0, float("-inf")),
+        scale=scale)
+    blk_o, blk_lse = blk_o[0].nan_to_num(0.0), blk_lse[0]
+    new = torch.logaddexp(lse, blk_lse)
+    safe = new.nan_to_num(neginf=0.0)
+    return torch.exp(lse - safe)[..., None] * o + torch.exp(blk_lse - safe)[..., None] * blk_o, new
+"""
+
+
+def test_attention_by_another_name_trips_the_dispatcher(tmp_path):
+    tests, _ = graded(tmp_path, "05", {"lab05/gqa_attention": GQA_BY_C_NN, "lab05/mla_decode_absorbed": MLA_BY_C_NN},
+                      only=["gqa_attention", "mla_decode_absorbed", "mean_pool_kv_heads"])
+    for name in ("gqa_attention", "mla_decode_absorbed"):
+        assert tests[name]["score"] == 0 and "TRIPWIRE" in tests[name]["output"], tests[name]["output"]
+    assert tests["mean_pool_kv_heads"]["score"] == get_exercise("mean_pool_kv_heads").points
+    tests, _ = graded(tmp_path, "05", {"lab05/gqa_attention": GQA_BY_ATEN}, only=["gqa_attention"])
+    assert tests["gqa_attention"]["score"] == 0 and "TRIPWIRE" in tests["gqa_attention"]["output"]
+    tests, _ = graded(tmp_path, "08", {"lab08/ring_attention_step": RING_BY_FLASH_CPU}, only=["ring_attention_step"])
+    assert tests["ring_attention_step"]["score"] == 0 and "TRIPWIRE" in tests["ring_attention_step"]["output"]
+
+
+def test_removing_the_dispatcher_tripwire_costs_the_exercise(tmp_path):
+    tests, _ = graded(tmp_path, "05", {"lab05/gqa_attention": GQA_UNPLUGGING_THE_WATCH}, only=["gqa_attention"])
+    out = tests["gqa_attention"]["output"]
+    assert tests["gqa_attention"]["score"] == 0 and "was removed or replaced" in out, out
+    res = check("gqa_attention", fn=run_cell(GQA_UNPLUGGING_THE_WATCH, "gqa_attention"))
+    assert res.passed == 0 and "was removed or replaced" in repr(res), res
+    q = torch.randn(1, 2, 3, 4)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q)   # and check() left torch as it found it
+
+
+@pytest.mark.parametrize("name,source", [("gqa_attention", GQA_BY_C_NN), ("gqa_attention", GQA_BY_ATEN),
+                                         ("mla_decode_absorbed", MLA_BY_C_NN),
+                                         ("ring_attention_step", RING_BY_FLASH_CPU)])
+def test_check_trips_on_the_operator_too(name, source):
+    res = check(name, fn=run_cell(source, name))
+    # every case that reaches the helper trips (snapkv's budget >= T case returns before it, and passes)
+    assert res.passed < res.total and "TRIPWIRE" in repr(res), res
+
+
+def test_the_dispatcher_tripwire_covers_every_route_and_leaves_other_ops_alone():
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    kk = k.repeat_interleave(2, 1)
+    routes = {
+        "F": lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, kk),
+        "torch._C._nn": lambda: torch._C._nn.scaled_dot_product_attention(q, k, k, enable_gqa=True),
+        "aten": lambda: torch.ops.aten.scaled_dot_product_attention(q, kk, kk),
+        "aten math": lambda: torch.ops.aten._scaled_dot_product_attention_math(q, kk, kk),
+        "aten flash cpu": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kk, kk),
+        "with autograd": lambda: torch.nn.functional.scaled_dot_product_attention(q.clone().requires_grad_(), kk, kk),
+    }
+    with DispatcherTripwire(("torch.nn.functional:scaled_dot_product_attention",), "demo") as watch:
+        for name, route in routes.items():
+            with pytest.raises(RuntimeError, match="TRIPWIRE"):
+                route()
+        assert torch.softmax(q @ kk.transpose(-1, -2), -1).shape == (1, 4, 3, 3)   # plain ops still run
+        assert watch.intact()
+    assert not watch.intact() or not watch._dumps   # removed: the dispatcher is back to torch's own kernels
+    for route in routes.values():
+        route()
+
+
+# ---- 4. a library equivalent ---------------------------------------------------------------------------
+STREAMING_BY_BLOCKS = """\
+import torch
+from llmso_lab.kv.streaming import streaming_block_keep
+def streaming_keep(seq_len, budget, num_sink=4):
+    return torch.tensor(streaming_block_keep(seq_len, num_sink, budget - num_sink - 1), dtype=torch.long)
+"""
+
+
+def test_the_block_keep_set_of_the_engine_is_disabled_for_streaming_keep(tmp_path):
+    tests, _ = graded(tmp_path, "10", {"lab10/streaming_keep": STREAMING_BY_BLOCKS}, only=["streaming_keep"])
+    assert tests["streaming_keep"]["score"] == 0 and "TRIPWIRE" in tests["streaming_keep"]["output"]
+
+
+# ---- 5. documented errors are graded -------------------------------------------------------------------
+SHARD_BY_CHUNK = """\
+import torch
+def shard_linear(weight, rank, tp, style):
+    return torch.chunk(weight, tp, dim=0 if style == "column" else 1)[rank]
+"""
+STREAMING_WITHOUT_ERROR = """\
+import torch
+def streaming_keep(seq_len, budget, num_sink=4):
+    if budget >= seq_len:
+        return torch.arange(seq_len)
+    return torch.cat([torch.arange(num_sink), torch.arange(seq_len - (budget - num_sink), seq_len)])
+"""
+
+
+def test_leaving_out_the_documented_valueerror_loses_points(tmp_path):
+    tests, _ = graded(tmp_path, "08", {"lab08/shard_linear": SHARD_BY_CHUNK}, only=["shard_linear"])
+    out = tests["shard_linear"]["output"]
+    assert 0 < tests["shard_linear"]["score"] < get_exercise("shard_linear").points, out
+    assert "expected ValueError" in out, out
+    tests, _ = graded(tmp_path, "10", {"lab10/streaming_keep": STREAMING_WITHOUT_ERROR}, only=["streaming_keep"])
+    assert 0 < tests["streaming_keep"]["score"] < get_exercise("streaming_keep").points
+    assert "expected ValueError" in tests["streaming_keep"]["output"]
+
+
+def test_an_error_case_needs_that_error_not_any_error():
+    """Raising the wrong exception, or a cell's own class named ValueError, does not pass an error case."""
+    def keep(prelude: str, error: str):
+        return run_cell(prelude + textwrap.dedent(f"""\
+        def streaming_keep(seq_len, budget, num_sink=4):
+            if budget < num_sink + 1:
+                raise {error}("budget too small")
+            import torch
+            return torch.cat([torch.arange(num_sink), torch.arange(seq_len - (budget - num_sink), seq_len)]) \\
+                if budget < seq_len else torch.arange(seq_len)
+        """), "streaming_keep")
+
+    wrong_type = keep("", "TypeError")
+    own_class = keep("class ValueError(Exception):\n    pass\n", "ValueError")
+    subclass = keep("class BudgetError(ValueError):\n    pass\n", "BudgetError")
+    total = check("streaming_keep", fn=subclass).total
+    assert check("streaming_keep", fn=subclass).passed == total
+    for fn in (wrong_type, own_class):
+        res = check("streaming_keep", fn=fn)
+        assert res.passed == total - 2 and "expected ValueError" in repr(res), res
