@@ -60,11 +60,14 @@ def graded(tmp_path, lab, cells, only=None, **kw):
     return {t["name"].split("/")[1]: t for t in res["tests"] if t["visibility"] != "hidden"}, res
 
 
-def sandbox_processes() -> list[str]:
-    """Processes still running under a sandbox uid."""
+def sandbox_processes(marker: str) -> list[str]:
+    """Processes still running under a sandbox uid whose command line carries this test's `marker`.
+
+    Only the test's own processes: under pytest-xdist the other worker may be grading at the same moment, and its
+    jobs run under sandbox uids too (the slot locks give them other uids, but a uid says nothing of which test)."""
     out = subprocess.run(["ps", "-eo", "uid=,pid=,args="], capture_output=True, text=True).stdout
     lo, hi = sandbox.UID_BASE, sandbox.UID_BASE + sandbox.NUM_SLOTS
-    return [ln for ln in out.splitlines() if ln.split() and lo <= int(ln.split()[0]) < hi]
+    return [ln for ln in out.splitlines() if ln.split() and lo <= int(ln.split()[0]) < hi and marker in ln]
 
 
 # ---- 1. reading the answers, writing the grader ----------------------------------------------------
@@ -156,12 +159,13 @@ def test_detached_processes_do_not_outlive_the_exercise(tmp_path, level):
     assert level in res["extra_data"]["sandbox"]
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.strip()
     assert left == "", f"processes left behind: {left}"
-    assert sandbox_processes() == []
+    assert sandbox_processes(marker) == []
 
 
 def test_fork_bomb_is_bounded_and_cleaned_up(tmp_path, level):
-    tests, _ = graded(tmp_path, "00", {"lab00/roofline_time": """\
-        import os, time
+    marker = f"llmso-forkbomb-{tmp_path.name}"      # each fork becomes `sleep 120` named by this test's marker
+    tests, _ = graded(tmp_path, "00", {"lab00/roofline_time": f"""\
+        import os
         def roofline_time(flops, bytes_moved, peak_flops, bandwidth):
             n = 0
             for _ in range(3000):
@@ -170,15 +174,19 @@ def test_fork_bomb_is_bounded_and_cleaned_up(tmp_path, level):
                 except OSError:
                     break
                 if pid == 0:
-                    time.sleep(120)
-                    os._exit(0)
+                    try:
+                        os.execv("/bin/sleep", [{marker!r}, "120"])
+                    finally:
+                        os._exit(0)
                 n += 1
             return float(n)
         """}, only=["roofline_time", "kv_bytes_per_token"])
     forks = int(float(re.search(r"got ([0-9.e+]+)", tests["roofline_time"]["output"]).group(1)))
     assert forks < sandbox.PIDS_MAX, f"the submission started {forks} processes"
     assert tests["roofline_time"]["score"] == 0 and tests["kv_bytes_per_token"]["score"] == PTS["kv_bytes_per_token"]
-    assert sandbox_processes() == []
+    assert sandbox_processes(marker) == []
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.strip()
+    assert left == "", f"processes left behind: {left}"
 
 
 def test_submission_cannot_kill_the_grader(tmp_path, level):

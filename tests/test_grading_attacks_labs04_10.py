@@ -4,6 +4,7 @@ Each test grades a solution notebook with the attacked exercise's cell replaced 
 only what its honest parts earn, the others keep their points. `check()` (the notebook's own feedback) must not be
 fooled either, where the attack can run in the student's kernel.
 """
+import re
 import textwrap
 
 import pytest
@@ -42,8 +43,8 @@ def kv_waste(lengths, scheme, **kw):
                 return importlib.import_module("llmso_lab.kv.fragmentation").waste(lengths, scheme, **kw)
             except Exception as exc:
                 errors.append(f"{d}: {type(exc).__name__}")
-        if errors:
-            break
+        if any(e.startswith("llmso-grade-BlockAllocator-") for e in errors):
+            break   # the job graded beside this one was tried (others may be another pytest worker's)
         time.sleep(0.05)
     raise RuntimeError(f"neighbours seen: {len(seen)}; errors: {sorted(set(errors))[:3]}")
 """
@@ -61,7 +62,12 @@ def test_a_job_cannot_read_the_library_copy_of_the_job_beside_it(tmp_path, level
     out = tests["kv_waste"]["output"]
     assert tests["kv_waste"]["score"] == 0, out
     if level == "uid":   # the neighbour's folder is there to be seen (so the test can fail), but not to be read
-        assert "neighbours seen: 1" in out and "PermissionError" in out, out
+        # Under pytest-xdist another worker's jobs may sit in /tmp too: each must be unreadable, and the neighbour
+        # graded beside this exercise must be among them.
+        seen = int(re.search(r"neighbours seen: (\d+)", out).group(1))
+        errors = re.findall(r"'(llmso-grade-[^:']+): (\w+)'", out)
+        assert seen >= 1 and any(d.startswith("llmso-grade-BlockAllocator-") for d, _ in errors), out
+        assert {e for _, e in errors} == {"PermissionError"}, out
     else:                # isolated: its own /tmp, nothing of another job in it
         assert "neighbours seen: 0" in out, out
 

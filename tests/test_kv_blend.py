@@ -80,7 +80,7 @@ def test_where_the_deviation_is_zero():
     full_cache, _ = full_prefill(MODEL, torch.cat([*CHUNKS, QUESTION], dim=1))
     b0 = blend(MODEL, PREFIX[:, :0], CHUNKS, QUESTION, 0.0)
     dev = deviation_by_layer(full_cache, b0.cache, 0, 21)          # [L, chunk tokens]
-    assert dev[:, :7].max() < 1e-6                                  # first chunk
+    assert dev[:, :7].max() < 1e-5     # first chunk: fp32 rounding only (matmuls of another length; 1.05e-6 seen)
     assert dev[0].max() < 1e-5                                      # layer 0: re-rotation is exact
     assert dev[1:, 7:].min(dim=1).values.gt(0).all() and dev[1:, 7:].max() > 0.05   # later chunks deviate
     # behind a prefix the first chunk misses the prefix from layer 1 on
