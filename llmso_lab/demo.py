@@ -3,12 +3,15 @@
 Prints the ceilings (at the labs' thread count, `hardware.set_lab_threads`) and answers a chat prompt with
 SmolLM2 (tqdm bar over generated tokens). Then one workload goes through Hugging Face static batching and the
 engine (static; continuous; continuous + prefix caching with the system prompt already cached; the same with a
-KV cache that holds only the longest request, so requests get preempted): 12 requests that share a 128-token
+KV cache that holds only the longest request, so requests get preempted): 12 requests that share a 64-token
 system prompt, EOS ignored, 4 slots, and output lengths that differ a lot — every 4th request wants a long
 answer, so each static batch holds one long request and its other slots idle until it ends (the lecture's
-head-of-line blocking). A table of throughput, TTFT/TPOT p50/p99, E2E p50, preemptions and prefix cache hit
-rate, and the measured ratios. Plots in `out/demo/`: roofline, the lecture's slot grids, the engine's real
-slot grids (static, continuous) and the TTFT/TPOT CDFs of every system.
+head-of-line blocking). The four timed systems are warmed up, then take turns in 3 short rounds (HF, static,
+continuous, prefix, HF, ...; `bench.rounds`): the ratios are paired per round (median, worst round beside it),
+and a fixed matmul timed between rounds measures the machine's own noise — on a busy machine one line above the
+ratios says so. A table of throughput, TTFT/TPOT p50/p99, E2E p50, preemptions and prefix cache hit rate (each
+system's median round), the round-by-round table, and the ratios. Plots in `out/demo/`: roofline, the lecture's
+slot grids, the engine's real slot grids (static, continuous) and the TTFT/TPOT CDFs of every system.
 """
 from __future__ import annotations
 
@@ -98,21 +101,79 @@ def run_demo(out_dir: Path = Path("out/demo")) -> int:
 COLUMNS = {"system": "system", "output_tok_s": "tokens/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "p99 s",
            "tpot_p50_ms": "TPOT p50 ms", "tpot_p99_ms": "p99 ms", "e2e_p50_s": "E2E p50 s",
            "preemptions": "preemptions", "prefix_hit_rate": "prefix hit rate"}   # row key: table header
+HF, STATIC, CONT, PREFIX = ("HF generate static", "engine static", "engine continuous",
+                            "engine continuous + prefix cache")   # the systems timed in alternating rounds, in order
 
 
-def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: int = 128,
-                 own_len: tuple[int, int] = (8, 32), output_len: tuple[int, int] = (4, 16),
-                 long_output_len: tuple[int, int] = (64, 96), slots: int = 4, seed: int = 1) -> list[dict]:
+def round_figures(by_round: list[dict]) -> list[dict[str, dict[str, float]]]:
+    """Per round, each system's output tokens/s and unrounded TTFT p50 (from `serving_demo`'s per-round results:
+    {system: (row, metrics, tokens, traces)})."""
+    return [{"tok_s": {k: v[0]["output_tok_s"] for k, v in r.items()},
+             "ttft_p50": {k: statistics.median(m.ttft for m in v[1]) for k, v in r.items()}} for r in by_round]
+
+
+def serving_headline(figs: list[dict[str, dict[str, float]]], busy: dict[str, float] | None = None,
+                     noise=None) -> list[str]:
+    """The demo's headline lines from per-round figures (`round_figures`): paired per-round ratios, median with
+    the worst round beside it; `busy`: slot utilization per batching mode. When `noise` (`bench.rounds.MachineNoise`)
+    says the machine was busy, one warning line comes first; otherwise a last line says it was quiet."""
+    from llmso_lab.bench.rounds import median_and_worst, paired
+
+    tok, ttft = [f["tok_s"] for f in figs], [f["ttft_p50"] for f in figs]
+    n = f"median of {len(figs)} round{'s' if len(figs) > 1 else ''}"
+    cs, cs_worst = median_and_worst(paired(tok, CONT, STATIC))
+    ch, ch_worst = median_and_worst(paired(tok, CONT, HF))
+    pc, pc_worst = median_and_worst(paired(ttft, CONT, PREFIX))   # > 1: prefix caching answers sooner
+    slots = f"; slots busy {busy['continuous']:.0%} vs {busy['static']:.0%}" if busy else ""
+    off, on = (statistics.median(r[k] for r in ttft) for k in (CONT, PREFIX))
+    warn = noise.line("the demo") if noise is not None else None
+    lines = [warn] if warn else []
+    lines += [f"continuous batching vs static batching: {cs:.2f}x output tokens/s ({n}, worst round {cs_worst:.2f}x"
+              f"{slots}); vs HF static batching: {ch:.2f}x (worst {ch_worst:.2f}x)",
+              f"TTFT p50 without / with prefix caching: {off:.2f} s / {on:.2f} s ({pc:.1f}x, {n}, worst round "
+              f"{pc_worst:.1f}x)"]
+    if noise is not None and not warn:
+        lines.append(f"the machine was quiet during the rounds ({noise.describe()})")
+    return lines
+
+
+def round_table(figs: list[dict[str, dict[str, float]]], probe_ms: list[float] | None = None) -> list[dict]:
+    """One row per round: each system's tokens/s, the paired ratios, TTFT p50 without/with prefix caching and
+    (`probe_ms`, one per round) the noise probe's median matmul after that round."""
+    rows = []
+    for i, f in enumerate(figs):
+        t, p = f["tok_s"], f["ttft_p50"]
+        row = {"round": i + 1, "HF tok/s": t[HF], "static": t[STATIC], "continuous": t[CONT], "+ prefix": t[PREFIX],
+               "cont/static": round(t[CONT] / t[STATIC], 2), "cont/HF": round(t[CONT] / t[HF], 2),
+               "static/HF": round(t[STATIC] / t[HF], 2), "TTFT p50 s": round(p[CONT], 2),
+               "prefix-cached": round(p[PREFIX], 2), "TTFT ratio": round(p[CONT] / p[PREFIX], 2)}
+        if probe_ms is not None:
+            row["probe ms"] = round(probe_ms[i], 2)
+        rows.append(row)
+    return rows
+
+
+def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: int = 64,
+                 own_len: tuple[int, int] = (4, 12), output_len: tuple[int, int] = (2, 6),
+                 long_output_len: tuple[int, int] = (24, 32), slots: int = 4, seed: int = 1, rounds: int = 3,
+                 probe=None) -> list[dict]:
     """One workload whose prompts share a system prompt, through HF static batches and four engine settings.
 
     Requests 0, slots, 2 * slots, ... want `long_output_len` tokens, the others `output_len`: every static
     batch (arrival order) holds one long request, so its other slots idle until that one ends.
-    Prints the table and the key ratios, checks that every engine setting makes the same greedy tokens,
-    writes latency_cdf.png and engine_slot_grid_{static,continuous}.png to out_dir. Returns the table rows.
+    HF static, engine static, continuous and continuous + prefix cache are each warmed up on a few requests, then
+    timed in `rounds` alternating rounds of the whole workload (HF, static, continuous, prefix, HF, ...), with
+    `probe` (a `bench.rounds.NoiseProbe`, made here if None) timing a fixed matmul between rounds; the small-KV
+    setting (preemptions) runs once, after them. The table shows each timed system's median round by tokens/s;
+    then a round-by-round table and the headline (`serving_headline`: paired per-round ratios, median and worst
+    round, one warning line first if the machine was busy). Checks that every engine run makes the same greedy
+    tokens, writes latency_cdf.png and engine_slot_grid_{static,continuous}.png (from the rows' rounds) to out_dir.
+    Returns the table rows.
     """
     from matplotlib.figure import Figure
 
-    from llmso_lab.bench.batching import _engine, _hf_generate, _hf_static, workload
+    from llmso_lab.bench.batching import _engine, _hf_static, workload
+    from llmso_lab.bench.rounds import NoiseProbe, interleaved_rounds
     from llmso_lab.cli import print_table
     from llmso_lab.kv.block_manager import cdiv
     from llmso_lab.sim.grid import slot_utilization, trace_slot_grid
@@ -129,37 +190,47 @@ def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: 
     pad_id = model.config.pad_token_id or 0
     print(f"\nServing {num_requests} requests: a shared {prefix_len}-token system prompt + {own_len[0]}-{own_len[1]} "
           f"own tokens; every {slots}th asks for {long_output_len[0]}-{long_output_len[1]} output tokens, the others for "
-          f"{output_len[0]}-{output_len[1]} (EOS ignored); {slots} slots")
-    # untimed warm-up of both code paths: first calls pay one-off allocation costs
-    _engine(model, tok, "continuous", [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:slots])],
-            prompts[:slots], slots, max_len, "warm-up")
-    _hf_generate(model, prompts[:slots], 2, pad_id)
-    hf_row, hf_metrics = _hf_static(model, reqs, prompts, slots, pad_id)
-    settings = {  # row label: (batching, extra LLM arguments)
-        "engine static": ("static", {}),
-        "engine continuous": ("continuous", {}),
-        "engine continuous + prefix cache": ("continuous", {"enable_prefix_caching": True, "warmup_prompt": system}),
-        f"engine continuous + prefix cache, {small_kv} KV blocks": ("continuous", {
-            "enable_prefix_caching": True, "warmup_prompt": system, "num_kv_blocks": small_kv}),
-    }
-    runs = {label: _engine(model, tok, batching, reqs, prompts, slots, max_len, label, **kw)
-            for label, (batching, kw) in settings.items()}
-    tokens = [[list(o.outputs[0].token_ids) for o in outs] for _, outs, _ in runs.values()]
-    assert all(t == tokens[0] for t in tokens), "every engine setting must make the same greedy tokens"
-    rows = [hf_row] + [row for row, _, _ in runs.values()]
+          f"{output_len[0]}-{output_len[1]} (EOS ignored); {slots} slots. {HF}, {STATIC}, {CONT} and {PREFIX} take "
+          f"turns, {rounds} rounds after a warm-up")
+
+    def engine(batching: str, label: str, rs, ps, **kw):
+        def run():
+            row, outs, traces = _engine(model, tok, batching, rs, ps, slots, max_len, label, **kw)
+            return row, [o.metrics for o in outs], [list(o.outputs[0].token_ids) for o in outs], traces
+        return run
+
+    def systems(rs, ps, tag: str = "") -> dict:   # label: () -> (row, metrics per request, greedy tokens, step traces)
+        return {HF: lambda: (*_hf_static(model, rs, ps, slots, pad_id), None, None),
+                STATIC: engine("static", STATIC + tag, rs, ps),
+                CONT: engine("continuous", CONT + tag, rs, ps),
+                PREFIX: engine("continuous", PREFIX + tag, rs, ps, enable_prefix_caching=True, warmup_prompt=system)}
+
+    warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:slots])]   # first calls pay one-off costs
+    probe = probe if probe is not None else NoiseProbe()
+    by_round = interleaved_rounds(systems(reqs, prompts), rounds, warmup=systems(warm, prompts[:slots], " (warm-up)"),
+                                  between=probe)
+    small_label = f"{PREFIX}, {small_kv} KV blocks"
+    small = engine("continuous", small_label, reqs, prompts, enable_prefix_caching=True, warmup_prompt=system,
+                   num_kv_blocks=small_kv)()
+    tokens = [res[2] for r in by_round for k, res in r.items() if k != HF] + [small[2]]
+    assert all(t == tokens[0] for t in tokens), "every engine run must make the same greedy tokens"
+
+    # each timed system's median round by tokens/s (a real run: its latencies and step trace go together)
+    pick = {k: sorted(range(rounds), key=lambda i: by_round[i][k][0]["output_tok_s"])[(rounds - 1) // 2]
+            for k in by_round[0]}
+    chosen = {k: by_round[i][k] for k, i in pick.items()} | {small_label: small}
+    rows = [res[0] for res in chosen.values()]
+    print(f"each system's median round of {rounds} by tokens/s; the small-KV row: one run, after the rounds")
     print_table([{header: r[k] for k, header in COLUMNS.items()} for r in rows])
+    figs = round_figures(by_round)
+    probe_ms = [1e3 * statistics.median(w) for w in probe.windows[1:]] if len(probe.windows) == rounds + 1 else None
+    print("\nround by round (tokens/s; TTFT p50 s without / with prefix caching; probe: the fixed matmul after it)")
+    print_table(round_table(figs, probe_ms))
+    use = {m: slot_utilization(trace_slot_grid(chosen[f"engine {m}"][3], slots)) for m in ("static", "continuous")}
+    print("\n".join(serving_headline(figs, use, probe.noise() if probe.windows else None)))
 
-    metrics = {hf_row["system"]: hf_metrics, **{k: [o.metrics for o in outs] for k, (_, outs, _) in runs.items()}}
-    ttft = {k: [m.ttft for m in ms] for k, ms in metrics.items()}
-    tpot = {k: [m.tpot for m in ms] for k, ms in metrics.items()}
-    cont, static = runs["engine continuous"], runs["engine static"]
-    use = {m: slot_utilization(trace_slot_grid(runs[f"engine {m}"][2], slots)) for m in ("static", "continuous")}
-    print(f"continuous batching vs static batching: {cont[0]['output_tok_s'] / static[0]['output_tok_s']:.2f}x output "
-          f"tokens/s (slots busy {use['continuous']:.0%} vs {use['static']:.0%}); vs HF static batching: "
-          f"{cont[0]['output_tok_s'] / hf_row['output_tok_s']:.2f}x")
-    off, on = (statistics.median(ttft[k]) for k in ("engine continuous", "engine continuous + prefix cache"))
-    print(f"TTFT p50 without / with prefix caching: {off:.2f} s / {on:.2f} s ({off / on:.1f}x)")
-
+    ttft = {k: [m.ttft for m in res[1]] for k, res in chosen.items()}
+    tpot = {k: [m.tpot for m in res[1]] for k, res in chosen.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     fig = Figure(figsize=(12, 4.5))
     left, right = fig.subplots(1, 2)
@@ -167,7 +238,7 @@ def serving_demo(model, tok, out_dir: Path, num_requests: int = 12, prefix_len: 
     plot_latency_cdf({k: [1e3 * t for t in v] for k, v in tpot.items()}, "TPOT (ms)",
                      "Time per output token (dots: p50, p99)", ax=right)
     fig.savefig(out_dir / "latency_cdf.png", dpi=120)
-    for mode in ("static", "continuous"):   # the lecture's grid, drawn from the table runs' own step traces
-        grid = trace_slot_grid(runs[f"engine {mode}"][2], slots)
+    for mode in ("static", "continuous"):   # the lecture's grid, drawn from the table rows' own step traces
+        grid = trace_slot_grid(chosen[f"engine {mode}"][3], slots)
         plot_slot_grid(grid, f"Engine, {mode} batching").savefig(out_dir / f"engine_slot_grid_{mode}.png", dpi=120)
     return rows
