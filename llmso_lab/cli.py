@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name")
     b.add_argument("--quick", action="store_true", help="smaller workload (about a minute)")
     b.add_argument("--json", help="write the figures to this JSON file")
-    b.add_argument("--dtype", help="engine dtype where the benchmark takes one (batching): auto, float32, bfloat16, float16")
+    b.add_argument("--dtype", help="engine dtype where the benchmark takes one (batching, vllm): auto, float32, bfloat16, float16")
     b.set_defaults(fn=_cmd_bench)
     r = sub.add_parser("release", help="generate labs/ from solutions/ and build the student bundle")
     r.add_argument("--out", help="write the student bundle here")

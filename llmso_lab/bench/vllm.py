@@ -1,0 +1,289 @@
+"""`llmso-lab bench vllm`: the project's engine against vLLM 0.32 (`.venv-vllm`, `make peers-vllm`) on SmolLM2, in
+bf16 and fp32, on the same token ids with the same settings.
+
+Workloads (greedy, EOS ignored, every request arriving at t = 0):
+- continuous: the batching bench's workload (`bench.batching.workload`; FULL: 64 requests, prompts 32-512,
+  outputs 16-256, max_num_seqs 16; `--quick`: its QUICK one, 16 requests, batch 8);
+- batch-1 decode: one 32-token prompt, `batch1_tokens` new tokens, `batch1_repeats` times (median decode tokens/s
+  after the first token, = 1 / TPOT);
+- prefix caching: the prefix bench's requests (`bench.prefix`: a shared 512-token system prompt + a short question,
+  32 requests x 32 tokens; `--quick`: 256 tokens, 12 x 16), the system prompt served first, untimed, so that the
+  prefix cache starts warm (as there).
+Settings, identical on both sides and with vLLM's names: dtype, max_num_seqs (the workload's), max_num_batched_tokens
+2048, max_model_len (the longest request + 16), block_size 32 (vLLM's CPU backend wants multiples of 32),
+enable_prefix_caching=True (vLLM's default; one vLLM per dtype serves all three workloads, so the engine runs with it
+too; each workload starts from an empty cache: the engine builds a fresh `LLM`, vLLM calls `reset_prefix_cache`),
+enable_chunked_prefill=True, kv_cache_memory_bytes 1 GiB, and this process's torch threads. On a CPU vLLM runs its
+engine core and model in the peer's one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with as many torch threads as
+the engine: its fastest setting on 2 cores, ahead of its default processes (see `vllm_peer`).
+
+Alternation. vLLM takes ~3 min to load and torch.compile SmolLM2 on 2 cores, so it is loaded ONCE per dtype: the
+peer (`vllm_runner.VllmPeer`) stays alive and reads one round of workloads per line on its stdin. The rounds still
+interleave in time -- for each dtype: engine round 1, vLLM round 1, engine round 2, vLLM round 2 -- because the
+driver sends vLLM's round r only after the engine's round r is done and starts the engine's next round only after
+vLLM has answered (`timeline` in the JSON records it). The peer is idle while the engine runs; the CPU seconds its
+processes used meanwhile are recorded per round (`peer_cpu_s_during_engine`, ~0 when it really sleeps). vLLM's
+load and compile time and its warm-up are reported apart (`vllm.load_s`, `vllm.warmup_s`), never in a round; the
+engine is warmed per round on a full batch (as in `bench batching`), vLLM once after loading on the same batch.
+
+Timing: TTFT, TPOT and E2E per request, from each system's own clock: the engine's `RequestOutput.metrics`; for vLLM,
+TTFT and TPOT from its `RequestOutput.metrics` (`RequestStateStats`), E2E from the peer's `LLMEngine.step()` loop
+(`vllm.timing_source`). Output tokens/s = all output tokens / the workload's wall time.
+
+The table keeps each system's best round per workload (as `bench precision` does); the round-by-round table has the
+paired ratios. Ratios (same run; > 1: the engine is better): `engine_vs_vllm_continuous_<bf16|fp32>` (output
+tokens/s), `engine_vs_vllm_batch1_<dtype>` (decode tokens/s), `engine_vs_vllm_prefix_ttft_p50` (bf16; `_fp32` too:
+vLLM's TTFT p50 over the engine's), each with `_worst_round` (the worst paired round), and
+`tokens_equal_<workload>_<dtype>`: greedy agreement, the share of the engine's tokens that vLLM matched before
+each request's first divergence (`precision.greedy_agreement`, round 1's outputs).
+
+Without `.venv-vllm` the bench says how to build it and measures the engine alone (no ratios).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from llmso_lab.bench import batching, vllm_runner as vr
+from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench.precision import greedy_agreement
+
+__all__ = ["run", "FULL", "QUICK", "schedule", "engine_settings", "prefix_workload"]
+
+FULL = dict(workload=batching.FULL, prefix=dict(num_requests=32, prefix_tokens=512, max_tokens=32), batch1_repeats=3,
+            rounds=2, max_num_batched_tokens=2048, block_size=32, kv_cache_memory_bytes=1 << 30)
+QUICK = dict(workload=batching.QUICK, prefix=dict(num_requests=12, prefix_tokens=256, max_tokens=16), batch1_repeats=2,
+             rounds=2, max_num_batched_tokens=2048, block_size=32, kv_cache_memory_bytes=1 << 30)
+SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+WORKLOADS = ("continuous", "batch1", "prefix")
+
+
+def schedule(dtypes, rounds: int, with_vllm: bool = True) -> list[tuple[str, int, str]]:
+    """The order of the timed turns: (dtype, round, system); per dtype the systems alternate round by round."""
+    systems = ("engine", "vllm") if with_vllm else ("engine",)
+    return [(d, r, s) for d in dtypes for r in range(1, rounds + 1) for s in systems]
+
+
+def engine_settings(cfg: dict, dtype: str, max_model_len: int) -> dict:
+    """The settings both systems get (vLLM's keyword names; `llmso_lab.engine.LLM` takes the same)."""
+    return dict(dtype=dtype, max_num_seqs=cfg["workload"]["max_num_seqs"],
+                max_num_batched_tokens=cfg["max_num_batched_tokens"], max_model_len=max_model_len,
+                block_size=cfg["block_size"], enable_prefix_caching=True, enable_chunked_prefill=True,
+                kv_cache_memory_bytes=cfg["kv_cache_memory_bytes"], seed=0)
+
+
+def prefix_workload(tokenizer, vocab_size: int, num_requests: int, prefix_tokens: int) -> tuple[list[int], list[list[int]]]:
+    """(shared system prompt, request prompts): the prefix bench's (`bench.prefix._prompts`); a model without a
+    tokenizer (the tests' tiny one) gets seeded random ids with a shared prefix of the same length."""
+    if tokenizer is not None:
+        from llmso_lab.bench.prefix import _prompts
+        return _prompts(tokenizer, num_requests, prefix_tokens)
+    _, prompts = batching.workload(num_requests, (4, 12), (1, 1), vocab_size, seed=1, shared_prefix=prefix_tokens)
+    return prompts[0][:prefix_tokens], prompts
+
+
+def _engine_requests(outs) -> list[dict]:
+    """The engine's outputs as the per-request dicts `vllm_runner.summarize` reads."""
+    return [{"output_token_ids": list(o.outputs[0].token_ids), "prompt_len": len(o.prompt_token_ids),
+             "num_cached_tokens": o.num_cached_tokens, "ttft_s": o.metrics.ttft, "tpot_s": o.metrics.tpot,
+             "e2e_s": o.metrics.e2e} for o in outs]
+
+
+def _engine_workload(net, tokenizer, w: dict, kw: dict, desc: str | None = None) -> dict:
+    """One workload on a fresh engine (`LLM(**kw)`), step by step (`run_on_engine`, as `batching._engine`): prime
+    prompts first, untimed. Returns `{"name", "wall_s", "requests"}` like a parsed vLLM result."""
+    from llmso_lab.engine import LLM, SamplingParams
+    from llmso_lab.sim.calibrate import run_on_engine
+    from llmso_lab.workloads import Request
+
+    llm = LLM(net, tokenizer, batching="continuous", **kw)
+    for p in w.get("prime") or []:
+        llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1), use_tqdm=False)
+    reqs = [Request(i, 0.0, len(p), n) for i, (p, n) in enumerate(zip(w["prompt_token_ids"], w["max_tokens"]))]
+    run = run_on_engine(llm, reqs, prompts=w["prompt_token_ids"], desc=desc)
+    assert run.num_output_tokens == sum(w["max_tokens"]), "the engine must make exactly the requested tokens"
+    return {"name": w["name"], "wall_s": run.wall_s, "requests": _engine_requests(run.outputs)}
+
+
+def _round_figures(results: dict, repeats: int) -> dict:
+    """A round's figures from its workload results (by name): continuous and prefix summaries, batch-1 decode
+    tokens/s (median over the repeats), and each workload's output tokens (for agreement)."""
+    cont, pre = results["continuous"], results["prefix"]
+    b1 = [results[f"batch1-{k}"]["requests"][0] for k in range(repeats)]
+    return {"continuous": vr.summarize(cont["requests"], cont["wall_s"]), "prefix": vr.summarize(pre["requests"], pre["wall_s"]),
+            "batch1_tok_s": statistics.median(vr.decode_tok_s(r) for r in b1),
+            "tokens": {"continuous": [r["output_token_ids"] for r in cont["requests"]],
+                       "batch1": [b1[0]["output_token_ids"]],
+                       "prefix": [r["output_token_ids"] for r in pre["requests"]]}}
+
+
+def _r(x, nd: int = 3):
+    return round(x, nd) if isinstance(x, float) else x
+
+
+def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None = None,
+        dtypes: tuple[str, ...] | None = None, python: str | Path | None = None,
+        script: str | Path = vr.PEER_SCRIPT, **overrides) -> dict:
+    """Run the engine-vs-vLLM benchmark. `dtype` (the CLI's --dtype) or `dtypes` choose the dtypes (default bf16 and
+    fp32); `python` / `script`: the peer's interpreter and script (the tests use a fake); `overrides` replace entries
+    of FULL / QUICK (the tests use `model="tiny-llama"` and tiny sizes)."""
+    from llmso_lab.engine.config import resolve_dtype
+    from llmso_lab.models import load_model
+
+    cfg = {**(QUICK if quick else FULL), **overrides}
+    if dtypes is None:
+        dtypes = (str(resolve_dtype(dtype, torch.device("cpu"))[0]).removeprefix("torch."),) if dtype else \
+            ("bfloat16", "float32")
+    net, tokenizer = load_model(model)   # fp32; each engine casts its own copy, vLLM loads the folder in its dtype
+    vocab, w, p = net.config.vocab_size, cfg["workload"], cfg["prefix"]
+    reqs, prompts = batching.workload(w["num_requests"], w["prompt_len"], w["output_len"], vocab)
+    B, n1, repeats = w["max_num_seqs"], w["batch1_tokens"], cfg["batch1_repeats"]
+    system, prefix_prompts = prefix_workload(tokenizer, vocab, p["num_requests"], p["prefix_tokens"])
+    workloads = [vr.make_workload("continuous", prompts, [r.output_len for r in reqs])]
+    workloads += [vr.make_workload(f"batch1-{k}", [prompts[0][:32]], n1) for k in range(repeats)]
+    workloads.append(vr.make_workload("prefix", prefix_prompts, p["max_tokens"], prime=[system]))
+    longest = max(len(q) + n for x in workloads for q, n in zip(x["prompt_token_ids"], x["max_tokens"]))
+    max_model_len = min(net.config.max_position_embeddings, longest + 16)
+    warm = vr.make_workload("warmup", prompts[:B], 2)   # a full batch: first-call allocations, the first big prefill
+
+    tmp = None
+    if model == "smollm2-135m":
+        from llmso_lab.models.registry import fetch_model, is_cached, model_dir as cached_dir
+        if not is_cached(model):
+            fetch_model(model)
+        model_dir = cached_dir(model)
+    else:   # a model built in memory (the tests' tiny one): vLLM reads it from a save_pretrained folder
+        tmp = tempfile.TemporaryDirectory(prefix="vllm-model-")
+        net.save_pretrained(tmp.name)
+        model_dir = Path(tmp.name)
+    python = Path(python) if python is not None else vr.default_python()
+    skipped = None if python.exists() else vr.missing_venv_message(python)
+    if skipped:
+        print(skipped + " -- measuring the engine alone")
+
+    t_start = time.perf_counter()
+    timeline, by_round, peers = [], [], {}
+    figures: dict = {}   # (dtype, system, round) -> _round_figures
+    plan = schedule(dtypes, cfg["rounds"], with_vllm=skipped is None)
+    bar = tqdm(total=len(plan), desc="bench vllm")
+    try:
+        for d in dtypes:
+            kw = engine_settings(cfg, d, max_model_len)
+            peer = None
+            if skipped is None:
+                bar.set_postfix_str(f"loading vLLM {d}")
+                job = vr.make_job([], model_dir=model_dir, warmup=warm, **kw)
+                peer = vr.VllmPeer(job, python=python, script=script)
+            try:
+                if peer is not None:
+                    peers[d] = peer.start()   # load + compile + warm-up: before any timed turn of this dtype
+                for r in range(1, cfg["rounds"] + 1):
+                    for s in ("engine", "vllm") if peer is not None else ("engine",):
+                        bar.set_postfix_str(f"{d} round {r} {s}")
+                        cpu0 = peer.cpu_seconds() if peer is not None else None
+                        if s == "engine":
+                            _engine_workload(net, tokenizer, warm, kw)   # warm-up on a fresh engine, untimed
+                        t0 = time.perf_counter()
+                        if s == "engine":
+                            res = {x["name"]: _engine_workload(net, tokenizer, x, kw) for x in workloads}
+                        else:
+                            res = {x["name"]: x for x in peer.run(workloads, round=r)}
+                        t1 = time.perf_counter()
+                        event = {"dtype": d, "round": r, "system": s, "start_s": round(t0 - t_start, 3),
+                                 "end_s": round(t1 - t_start, 3)}
+                        if s == "engine" and cpu0 is not None:
+                            cpu1 = peer.cpu_seconds()
+                            event["peer_cpu_s_during_engine"] = round(cpu1 - cpu0, 2) if cpu1 is not None else None
+                        timeline.append(event)
+                        figures[(d, s, r)] = _round_figures(res, repeats)
+                        bar.update()
+            finally:
+                if peer is not None:
+                    peer.close()   # frees its cores before the next dtype
+    finally:
+        bar.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+    systems = ("engine", "vllm") if skipped is None else ("engine",)
+    rounds = range(1, cfg["rounds"] + 1)
+    table, agreement, ratios = [], [], {}
+    for d in dtypes:
+        for s in systems:
+            mine = [figures[(d, s, r)] for r in rounds]
+            c = max(mine, key=lambda f: f["continuous"]["output_tok_s"])["continuous"]
+            pre = min(mine, key=lambda f: f["prefix"]["ttft_p50_s"])["prefix"]
+            table.append({"dtype": d, "system": "engine" if s == "engine" else f"vLLM {peers[d]['versions'].get('vllm', '?')}",
+                          "output_tok_s": round(c["output_tok_s"], 1), "ttft_p50_s": _r(c["ttft_p50_s"]),
+                          "ttft_p99_s": _r(c["ttft_p99_s"]), "tpot_p50_ms": round(c["tpot_p50_ms"], 1),
+                          "tpot_p99_ms": round(c["tpot_p99_ms"], 1), "e2e_p50_s": _r(c["e2e_p50_s"]),
+                          "batch1_tok_s": round(max(f["batch1_tok_s"] for f in mine), 1),
+                          "prefix_ttft_p50_s": _r(pre["ttft_p50_s"]), "prefix_ttft_p99_s": _r(pre["ttft_p99_s"]),
+                          "prefix_hit_rate": _r(pre.get("prefix_hit_rate", float("nan"))),
+                          "same_tokens_every_round": all(f["tokens"] == mine[0]["tokens"] for f in mine)})
+        for r in rounds:
+            e = figures[(d, "engine", r)]
+            row = {"dtype": d, "round": r, "engine_tok_s": e["continuous"]["output_tok_s"],
+                   "engine_batch1_tok_s": e["batch1_tok_s"], "engine_prefix_ttft_p50_s": e["prefix"]["ttft_p50_s"]}
+            if skipped is None:
+                v = figures[(d, "vllm", r)]
+                row.update(vllm_tok_s=v["continuous"]["output_tok_s"], vllm_batch1_tok_s=v["batch1_tok_s"],
+                           vllm_prefix_ttft_p50_s=v["prefix"]["ttft_p50_s"],
+                           continuous_ratio=e["continuous"]["output_tok_s"] / v["continuous"]["output_tok_s"],
+                           batch1_ratio=e["batch1_tok_s"] / v["batch1_tok_s"],
+                           prefix_ttft_ratio=v["prefix"]["ttft_p50_s"] / e["prefix"]["ttft_p50_s"])
+                ev = next(x for x in timeline if (x["dtype"], x["round"], x["system"]) == (d, r, "engine"))
+                row["peer_cpu_s_during_engine"] = ev.get("peer_cpu_s_during_engine")
+            by_round.append(row)
+        if skipped is None:
+            e1, v1 = figures[(d, "engine", 1)]["tokens"], figures[(d, "vllm", 1)]["tokens"]
+            for name in WORKLOADS:
+                a = greedy_agreement(e1[name], v1[name])
+                div = [f for f in a["first_divergence"] if f is not None]
+                agreement.append({"dtype": d, "workload": name, "tokens_equal": round(a["tokens_equal"], 3),
+                                  "identical": round(a["identical"], 3),
+                                  "first_divergence_median": statistics.median(div) if div else "-"})
+                ratios[f"tokens_equal_{name}_{SHORT[d]}"] = a["tokens_equal"]
+            tab = {t["system"] == "engine": t for t in table if t["dtype"] == d}
+            mine = [x for x in by_round if x["dtype"] == d]
+            k = SHORT[d]
+            ratios[f"engine_vs_vllm_continuous_{k}"] = tab[True]["output_tok_s"] / tab[False]["output_tok_s"]
+            ratios[f"engine_vs_vllm_continuous_{k}_worst_round"] = min(x["continuous_ratio"] for x in mine)
+            ratios[f"engine_vs_vllm_batch1_{k}"] = tab[True]["batch1_tok_s"] / tab[False]["batch1_tok_s"]
+            ratios[f"engine_vs_vllm_batch1_{k}_worst_round"] = min(x["batch1_ratio"] for x in mine)
+            pk = "engine_vs_vllm_prefix_ttft_p50" + ("" if d == "bfloat16" else f"_{k}")
+            ratios[pk] = tab[False]["prefix_ttft_p50_s"] / tab[True]["prefix_ttft_p50_s"]
+            ratios[pk + "_worst_round"] = min(x["prefix_ttft_ratio"] for x in mine)
+    ratios = {k: round(v, 3) for k, v in ratios.items()}
+    vllm_info = {"skipped": skipped} if skipped else {
+        d: {k: m.get(k) for k in ("versions", "load_s", "warmup_s", "start_s", "settings", "engine_args",
+                                  "omp_threads_bind", "threads", "torch_threads", "v1_multiprocessing", "device", "python")} for d, m in peers.items()}
+    if not skipped:
+        vllm_info["timing_source"] = next(iter(peers.values())).get("timing_source")
+    wl = {k: (list(v) if isinstance(v, tuple) else v) for k, v in w.items()}
+    return {"name": "vllm", "table": table, "ratios": ratios, "device": _device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "llmso-lab bench vllm" + (" --quick" if quick else "") + (f" --dtype {dtype}" if dtype else ""),
+            "model": model, "dtypes": list(dtypes), "threads": torch.get_num_threads(),
+            "settings": {d: engine_settings(cfg, d, max_model_len) for d in dtypes},
+            "workload": {"continuous": wl, "batch1": {"prompt_len": 32, "max_tokens": n1, "repeats": repeats},
+                         "prefix": dict(p), "rounds": cfg["rounds"]},
+            "tables": {"round by round (engine and vLLM alternate; ratios > 1: the engine is better)":
+                       [{k: _r(v) for k, v in x.items()} for x in by_round],
+                       "greedy agreement, engine vs vLLM (round 1, tokens before the first divergence)": agreement},
+            "timeline": timeline, "vllm": vllm_info, "load_avg": [round(x, 2) for x in os.getloadavg()],
+            "note": "CPU figures; the machine may be shared with other jobs (see load_avg). vLLM's load/compile time is "
+                    "not in any round (vllm.<dtype>.load_s)."}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import json
+
+    print(json.dumps(run(quick=True), indent=1, default=str))
