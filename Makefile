@@ -87,10 +87,12 @@ lab: setup
 release: setup
 	$(VENV)/bin/llmso-lab release --out dist/student
 
-GPU_NAME = $$($(PY) -c "import torch;print(torch.cuda.get_device_name(0).replace(' ','-') if torch.cuda.is_available() else 'cpu')")
-gpu-bench: setup
-	$(VENV)/bin/llmso-lab bench attention --json data/gpu_results/attention-$(GPU_NAME).json
-	$(VENV)/bin/llmso-lab bench w4a16 --json data/gpu_results/w4a16-$(GPU_NAME).json
+# Every Triton kernel checked against its torch reference on the GPU, then `bench attention` and `bench w4a16`
+# (scripts/gpu_bench.py; JSON into data/gpu_results/). A GPU host whose python already has CUDA torch + triton
+# (and no network) runs it without the venv: `make gpu-bench GPU_PY=python3`.
+GPU_PY ?= $(PY)
+gpu-bench: $(if $(filter $(PY),$(GPU_PY)),setup)
+	PYTHONUNBUFFERED=1 $(GPU_PY) scripts/gpu_bench.py --out data/gpu_results $(GPU_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS) $(KVPRESS) $(VLLM) out dist .pytest_cache
