@@ -221,6 +221,29 @@ def native_matmul(dtype: torch.dtype, device: str | torch.device = "cpu") -> tup
 
 
 @functools.lru_cache(maxsize=None)
+def packed_fp32_speedup(rows: int = 16, k: int = 576, n: int = 1536, budget_s: float = 0.02) -> float:
+    """`x @ w` time / oneDNN prepacked time for an fp32 [rows, k] x [k, n] product (SmolLM2's MLP size) on this CPU,
+    measured once per process (~0.1 s): > 1 means the engine's fp32 weights are worth prepacking
+    (`engine.model_runner.OneDNNLinear`). 0.0 where the packed kernel is missing or not x86-64 (`platform.machine`:
+    oneDNN's fp32 kernels elsewhere were not measured here). `LLMSO_LAB_FP32_LINEAR=aten` forces 0.0 (plain `x @ w`),
+    `=onednn` forces packing (both for experiments and tests)."""
+    import platform
+
+    forced = os.environ.get("LLMSO_LAB_FP32_LINEAR", "")
+    if forced in ("aten", "onednn"):
+        return 0.0 if forced == "aten" else float("inf")
+    if platform.machine().lower() not in ("x86_64", "amd64") or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return 0.0
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        onednn = _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), budget_s)
+    except RuntimeError:
+        return 0.0
+    return _best_seconds(lambda: x @ w.t(), budget_s) / onednn
+
+
+@functools.lru_cache(maxsize=None)
 def auto_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
     """What `LLM(dtype="auto")` runs on `device` ("cpu" or "cuda"), and why.
 

@@ -118,3 +118,35 @@ def test_greedy_agreement_counts_tokens_before_the_first_divergence():
     a = greedy_agreement(ref, got)
     assert a["first_divergence"] == [2, None, 2]
     assert a["tokens_equal"] == pytest.approx((2 + 2 + 2) / 9) and a["identical"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("mode", ["aten", "onednn"])
+def test_fp32_engine_equals_hf_through_either_linear_kernel(mode, monkeypatch):
+    """fp32 weights go through oneDNN's prepacked kernel where it measured faster (`hw.packed_fp32_speedup`), else
+    plain `x @ w`: both kernels must give Hugging Face's greedy tokens exactly; the override says which one ran."""
+    from llmso_lab.engine.model_runner import OneDNNLinear
+
+    monkeypatch.setenv("LLMSO_LAB_FP32_LINEAR", mode)
+    hw.packed_fp32_speedup.cache_clear()
+    try:
+        packed = OneDNNLinear.available(torch.float32, torch.device("cpu"))
+        assert packed == (mode == "onednn" and torch.backends.mkldnn.is_available())
+        llm = LLM(tiny_llama(), block_size=4, max_model_len=64)
+        assert isinstance(llm.model_runner.layers[0].qkv, OneDNNLinear) == packed
+        assert isinstance(llm.model_runner.lm_head, OneDNNLinear) == packed
+        assert _engine_tokens(llm) == [hf_greedy(tiny_llama(), p, 12) for p in PROMPTS]
+    finally:
+        hw.packed_fp32_speedup.cache_clear()
+
+
+def test_packed_fp32_speedup_is_measured_once_and_overridable(monkeypatch):
+    monkeypatch.delenv("LLMSO_LAB_FP32_LINEAR", raising=False)
+    hw.packed_fp32_speedup.cache_clear()
+    try:
+        s = hw.packed_fp32_speedup()
+        assert s >= 0 and hw.packed_fp32_speedup() == s   # cached: one decision per process
+        monkeypatch.setenv("LLMSO_LAB_FP32_LINEAR", "aten")
+        hw.packed_fp32_speedup.cache_clear()
+        assert hw.packed_fp32_speedup() == 0.0
+    finally:
+        hw.packed_fp32_speedup.cache_clear()

@@ -34,8 +34,9 @@ class LLM:
     hardware multiplies it natively (a CUDA GPU with bf16, a CPU with AMX-BF16 / AVX512-BF16, checked by a
     quick measurement) and fp32 elsewhere; `llm.dtype_reason` says why. On such CPUs bf16 makes prefill and
     batched decode several times faster; batch-1 decode gains little (plain bf16 matrix-vector products are slower
-    than fp32 there, so the engine prepacks bf16 weights for oneDNN: `model_runner.OneDNNLinear`;
-    `llmso-lab bench precision` measures all three). The default stays "float32" (vLLM's is "auto")
+    than fp32 there, so the engine prepacks bf16 weights for oneDNN: `model_runner.OneDNNLinear`, as it does fp32
+    weights where that measured faster on this CPU, vLLM's CPU backend's `onednn_mm`; `llmso-lab bench precision`
+    measures all three). The default stays "float32" (vLLM's is "auto")
     because the labs compare the engine with Hugging Face fp32 token for token.
 
     Sharing (lecture 1-2): `SamplingParams(n=N)` computes the prompt once and forks N samples that share its KV

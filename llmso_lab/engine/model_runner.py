@@ -87,10 +87,12 @@ def linear(x: Tensor, w_t, bias: Tensor | None = None) -> Tensor:
 
 
 class OneDNNLinear:
-    """A bf16 weight prepacked once for oneDNN's linear kernel (what PyTorch's CPU compiler emits for bf16 linears):
-    x [T, in] -> [T, out]. On CPUs with AMX / AVX512-BF16 the plain `x @ w` in bf16 takes a slow matrix-vector path
-    for a few rows (batch-1 decode ran at half fp32's speed although it reads half the bytes); the packed kernel
-    does not (`llmso-lab bench precision` measures both). Built only where `available()`."""
+    """A weight prepacked once into oneDNN's blocked layout for its linear kernel (what PyTorch's CPU compiler emits,
+    and what vLLM's CPU backend does at load: `onednn_mm`): x [T, in] -> [T, out]. bf16: on CPUs with AMX /
+    AVX512-BF16 the plain `x @ w` takes a slow matrix-vector path for a few rows (batch-1 decode ran at half fp32's
+    speed although it reads half the bytes). fp32: the packed kernel ran SmolLM2's matrices ~1.8x faster at 1-16
+    rows and ~1.2x at 512 than `x @ w` here (Lab 01, section 9), so it is used where a quick measurement on this
+    CPU says it wins (`hardware.packed_fp32_speedup`). `llmso-lab bench precision` reports which kernel ran."""
 
     def __init__(self, w_t: Tensor) -> None:
         self.shape, self.dtype = tuple(w_t.shape), w_t.dtype   # [in, out], as the engine's other weights
@@ -109,9 +111,14 @@ class OneDNNLinear:
 
     @staticmethod
     def available(dtype: torch.dtype, device: torch.device) -> bool:
-        """bf16 on a CPU that multiplies bf16 natively, with PyTorch's oneDNN build."""
-        return (dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hw.native_matmul(dtype, "cpu")[0])
+        """A CPU with PyTorch's oneDNN build, and: bf16 that the CPU multiplies natively, or fp32 where the packed
+        kernel measured faster than `x @ w` (`hardware.packed_fp32_speedup` >= 1.1 at 16 rows, x86-64 only)."""
+        if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+            return False
+        if dtype == torch.float32:
+            return hw.packed_fp32_speedup() >= 1.1
+        return dtype == torch.bfloat16 and hw.native_matmul(dtype, "cpu")[0]
 
 
 def rope_cos_sin(config, max_positions: int) -> tuple[Tensor, Tensor]:
