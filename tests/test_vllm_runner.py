@@ -277,7 +277,7 @@ def test_schedule_alternates_systems_within_each_dtype():
 
 TINY = dict(model="tiny-llama", workload=dict(num_requests=3, prompt_len=(4, 10), output_len=(2, 5), max_num_seqs=2,
                                               batch1_tokens=4),
-            prefix=dict(num_requests=2, prefix_tokens=32, max_tokens=3), batch1_repeats=2, rounds=2)
+            prefix=dict(num_requests=2, prefix_tokens=32, max_tokens=3), batch1_repeats=2, rounds=2, measure_seconds=0.05)
 
 
 def test_bench_alternates_in_time_and_measures_agreement(tmp_path, fake, monkeypatch):
@@ -359,7 +359,14 @@ def test_bench_json_shape_on_the_tiny_model(fake, capsys):
     assert res["vllm"]["bfloat16"]["load_s"] == 1.5 and res["vllm"]["float32"]["warmup_s"] == 0.25
     assert res["settings"]["bfloat16"]["block_size"] == 32 and res["settings"]["float32"]["dtype"] == "float32"
     assert res["settings"]["bfloat16"]["max_num_seqs"] == 2
-    assert {"device", "date", "command", "timeline", "workload", "load_avg"} <= set(res)
+    assert {"device", "date", "command", "timeline", "workload", "load_avg", "ceilings"} <= set(res)
+    # both systems of a dtype are a share of the same measured bound; bf16 moves half the bytes of fp32
+    for row in res["table"]:
+        c = res["ceilings"][row["dtype"]]
+        assert row["roofline_bound_tok_s"] == round(c["continuous"], 1) and row["batch1_ceiling_tok_s"] == round(c["batch1"], 1)
+        assert row["roofline_share"] == pytest.approx(row["output_tok_s"] / c["continuous"], rel=2e-2, abs=2e-3)
+        assert row["batch1_share"] == pytest.approx(row["batch1_tok_s"] / c["batch1"], rel=2e-2, abs=2e-3)
+    assert res["ceilings"]["bfloat16"]["batch1"] == pytest.approx(2 * res["ceilings"]["float32"]["batch1"], rel=0.05)
 
 
 def test_bench_without_the_venv_measures_the_engine_alone(tmp_path, capsys):

@@ -124,6 +124,29 @@ def _round_figures(results: dict, repeats: int) -> dict:
                        "prefix": [r["output_token_ids"] for r in pre["requests"]]}}
 
 
+def _roofline_bounds(net, model: str, dtypes, reqs, max_num_seqs: int, batch1_context: int, seconds: float) -> dict:
+    """Per dtype, this machine's bounds for the two timed shapes, measured now (no peer alive): the continuous
+    workload's roofline bound (`precision.roofline_share`: prefill FLOPs at the dtype's measured matmul ceiling, every
+    decode step's weight and KV reads at the measured copy bandwidth) and batch-1 decode's bandwidth ceiling (all
+    weights and the KV read once per token). Both systems' tokens/s are then a share of the same bound."""
+    from llmso_lab import hardware as hw
+    from llmso_lab.bench.precision import roofline_share
+    from llmso_lab.models.shapes import ModelShape
+
+    shape = ModelShape.from_hf_config(net.config, name=model)
+    cpu = hw.measure_cpu(seconds=seconds)
+    out = {}
+    for d in dtypes:
+        dt = getattr(torch, d)
+        peak = cpu.peak_flops if dt == torch.float32 else hw.measure_matmul(dt, seconds / 2)
+        cont, _ = roofline_share(1.0, [r.prompt_len for r in reqs], [r.output_len for r in reqs], max_num_seqs, shape,
+                                 dt.itemsize, peak, cpu.mem_bandwidth)
+        b1 = hw.decode_tokens_per_s_bound(shape.weight_bytes(dt.itemsize), cpu.mem_bandwidth, 1, batch1_context,
+                                          shape.kv_bytes_per_token(dt.itemsize))
+        out[d] = {"continuous": cont, "batch1": b1, "matmul_TFLOP_s": peak / 1e12, "copy_GB_s": cpu.mem_bandwidth / 1e9}
+    return out
+
+
 def _r(x, nd: int = 3):
     return round(x, nd) if isinstance(x, float) else x
 
@@ -214,6 +237,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None =
 
     systems = ("engine", "vllm") if skipped is None else ("engine",)
     rounds = range(1, cfg["rounds"] + 1)
+    bounds = _roofline_bounds(net, model, dtypes, reqs, B, 32 + n1 // 2, cfg.get("measure_seconds", 1.0 if quick else 3.0))
     table, agreement, ratios = [], [], {}
     for d in dtypes:
         for s in systems:
@@ -228,6 +252,11 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None =
                           "prefix_ttft_p50_s": _r(pre["ttft_p50_s"]), "prefix_ttft_p99_s": _r(pre["ttft_p99_s"]),
                           "prefix_hit_rate": _r(pre.get("prefix_hit_rate", float("nan"))),
                           "same_tokens_every_round": all(f["tokens"] == mine[0]["tokens"] for f in mine)})
+            b = bounds[d]
+            table[-1].update(roofline_bound_tok_s=round(b["continuous"], 1),
+                             roofline_share=round(c["output_tok_s"] / b["continuous"], 3),
+                             batch1_ceiling_tok_s=round(b["batch1"], 1),
+                             batch1_share=round(table[-1]["batch1_tok_s"] / b["batch1"], 3))
         for r in rounds:
             e = figures[(d, "engine", r)]
             row = {"dtype": d, "round": r, "engine_tok_s": e["continuous"]["output_tok_s"],
@@ -278,6 +307,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None =
             "tables": {"round by round (engine and vLLM alternate; ratios > 1: the engine is better)":
                        [{k: _r(v) for k, v in x.items()} for x in by_round],
                        "greedy agreement, engine vs vLLM (round 1, tokens before the first divergence)": agreement},
+            "ceilings": {d: {k: round(v, 3) for k, v in b.items()} for d, b in bounds.items()},
             "timeline": timeline, "vllm": vllm_info, "load_avg": [round(x, 2) for x in os.getloadavg()],
             "note": "CPU figures; the machine may be shared with other jobs (see load_avg). vLLM's load/compile time is "
                     "not in any round (vllm.<dtype>.load_s)."}
