@@ -124,3 +124,19 @@ def test_time_forwards_gives_one_best_time_per_shape_and_restores_the_context(mo
     assert {n for _, n in timed} == {7}   # every timed run starts from the same 7-token context
     with pytest.raises(ValueError, match="new_tokens >= 1"):
         timing.time_forwards(model, [(0, 1)])
+
+
+def test_op_seconds_splits_a_run_by_operator_and_hides_the_profiler_lines(capfd):
+    """Lab 01 section 9's profile: the result comes back, matmuls are counted under aten::mm, the self times add up to
+    no more than the wall time, and torch's USDT start/stop lines do not reach the notebook."""
+    import time
+
+    from llmso_lab.models.timing import op_seconds
+
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    out, ops = op_seconds(lambda: [a @ a for _ in range(20)][-1])
+    wall = time.perf_counter() - t0
+    assert torch.equal(out, a @ a)
+    assert ops["aten::mm"] > 0 and sum(ops.values()) <= wall
+    assert "USDT" not in capfd.readouterr().err

@@ -12,12 +12,9 @@
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
-import os
 import platform
-import sys
 import time
 from typing import Callable
 
@@ -26,24 +23,11 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from llmso_lab.attention import flash_attention_torch, naive_attention
+from llmso_lab.models.timing import quiet_c_stderr
 
 __all__ = ["run", "peak_cpu_alloc_bytes"]
 
 MiB, SKIP = 2**20, "skipped: needs CUDA"
-
-
-@contextlib.contextmanager
-def _quiet_c_stderr():
-    """torch's profiler logs two USDT lines per run straight to the C-level stderr: hide them."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def peak_cpu_alloc_bytes(fn: Callable[[], object]) -> int:
@@ -54,7 +38,7 @@ def peak_cpu_alloc_bytes(fn: Callable[[], object]) -> int:
     mark of live tensor memory. (tracemalloc cannot see these allocations; process RSS would also count
     the allocator's caching and page-granular noise.) The call's output counts while it is alive.
     """
-    with _quiet_c_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_c_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]

@@ -1,16 +1,45 @@
 """Time real forward passes of a Hugging Face causal LM: N new tokens on top of a cached context.
 
-Used by Lab 00 (the roofline of a real model), Lab 01 (does an idle row cost time?) and the demo.
+Used by Lab 00 (the roofline of a real model), Lab 01 (does an idle row cost time? where does the engine's time go?)
+and the demo.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["time_forwards", "cache_kwarg"]
+__all__ = ["time_forwards", "cache_kwarg", "op_seconds", "quiet_c_stderr"]
+
+
+@contextlib.contextmanager
+def quiet_c_stderr():
+    """torch's profiler logs two USDT lines per run straight to the C-level stderr: hide them."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def op_seconds(fn: Callable[[], object]) -> tuple[object, dict[str, float]]:
+    """Run `fn` under torch.profiler (CPU ops): (its result, {operator name: self CPU seconds}). Self time counts each
+    op once (not the ops it calls), so the values add up to the profiled ops' share of the wall time; the profiler
+    adds a little to every op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with quiet_c_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = fn()
+    return result, {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
 
 
 def cache_kwarg(model) -> str:
