@@ -15,7 +15,7 @@ import torch
 
 __all__ = [
     "Accelerator", "ACCELERATORS", "get_accelerator", "Link", "LINKS", "get_link", "set_lab_threads", "measure_cpu", "measure_matmul",
-    "cpu_flags", "native_matmul", "auto_dtype", "bf16_matmul_speedup", "precision_speedup",
+    "cpu_flags", "native_matmul", "auto_dtype", "bf16_matmul_speedup", "packed_fp32_speedup", "best_seconds", "precision_speedup",
     "matmul_flops", "matmul_arithmetic_intensity", "ridge_point", "attainable_flops", "compute_bound_tokens",
     "roofline_time", "kv_bytes_per_token", "kv_cache_bytes", "mla_kv_bytes_per_token", "mla_kv_cache_bytes",
     "kv_cache_bytes_of_config", "decode_bytes_per_step", "decode_tokens_per_s_bound",
@@ -152,12 +152,12 @@ def measure_matmul(dtype: torch.dtype = torch.float32, seconds: float = 1.0,
             a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
             c = torch.empty(size, size, dtype=dtype)
             op = lambda: torch.mm(a, b, out=c)  # noqa: E731
-        best = _best_seconds(op, budget)
+        best = best_seconds(op, budget)
         best_rate = max(best_rate, matmul_flops(size, size, size) / best)
     return best_rate
 
 
-def _best_seconds(op, budget_s: float, min_runs: int = 3) -> float:
+def best_seconds(op, budget_s: float, min_runs: int = 3) -> float:
     """Fastest of repeated `op()` calls over about `budget_s` seconds (after one untimed warm-up call)."""
     op()
     n, best, t_end = 0, float("inf"), time.perf_counter() + budget_s
@@ -181,7 +181,7 @@ def measure_cpu(seconds: float = 2.0, matmul_sizes: Sequence[int] = (256, 512, 1
     peak = measure_matmul(dtype, seconds / 2, matmul_sizes)
     src = torch.ones(copy_mb * 2**20 // 4)
     dst = torch.empty_like(src)
-    bw = 2 * src.numel() * 4 / _best_seconds(lambda: dst.copy_(src), seconds / 2)  # a copy reads and writes every byte
+    bw = 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), seconds / 2)  # a copy reads and writes every byte
     threads = torch.get_num_threads()
     tag = "" if dtype == torch.float32 else f", {str(dtype).removeprefix('torch.')}"
     return Accelerator(f"this-cpu ({threads} thread{'s' if threads > 1 else ''}{tag})", peak, bw, 0.0, "none", 0.0, 0.0, 0)
@@ -237,10 +237,10 @@ def packed_fp32_speedup(rows: int = 16, k: int = 576, n: int = 1536, budget_s: f
     w, x = torch.randn(n, k), torch.randn(rows, k)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        onednn = _best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), budget_s)
+        onednn = best_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), budget_s)
     except RuntimeError:
         return 0.0
-    return _best_seconds(lambda: x @ w.t(), budget_s) / onednn
+    return best_seconds(lambda: x @ w.t(), budget_s) / onednn
 
 
 @functools.lru_cache(maxsize=None)
@@ -279,14 +279,14 @@ def bf16_matmul_speedup(rows: Sequence[int] = (1, 16, 256), k: int = 1024, n: in
     for m in rows:
         a, b = torch.randn(m, k), torch.randn(k, n)
         c = torch.empty(m, n)
-        fp32 = _best_seconds(lambda: torch.mm(a, b, out=c), budget_s)
+        fp32 = best_seconds(lambda: torch.mm(a, b, out=c), budget_s)
         a16, b16 = a.bfloat16(), b.bfloat16()
         if packed:
             w = OneDNNLinear(b16)
-            bf16 = _best_seconds(lambda: w(a16), budget_s)
+            bf16 = best_seconds(lambda: w(a16), budget_s)
         else:
             c16 = torch.empty(m, n, dtype=torch.bfloat16)
-            bf16 = _best_seconds(lambda: torch.mm(a16, b16, out=c16), budget_s)
+            bf16 = best_seconds(lambda: torch.mm(a16, b16, out=c16), budget_s)
         out[m] = fp32 / bf16
     return out
 

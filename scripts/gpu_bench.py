@@ -98,8 +98,8 @@ def _check_decode(dev, dtype) -> list[dict]:
         rows.append({"kernel": "paged_decode_attention", "case": f"lens {lens.tolist()} bs{bs} splits={splits or 'auto'}",
                      "max_err": _err(paged_decode_attention(q, kc, vc, tables, lens, num_splits=splits), o_ref)})
     # the INT8 KV cache (Lab 10): codes and per-(token, head) scales, dequantized inside the kernel
-    ks, vs = (kc.float().abs().amax(-1).clamp_min(1e-6) / 127 for kc in (kc, vc))
-    k8, v8 = ((c.float() / s[..., None]).round().clamp(-127, 127).to(torch.int8) for c, s in ((kc, ks), (vc, vs)))
+    ks, vs = (cache.float().abs().amax(-1).clamp_min(1e-6) / 127 for cache in (kc, vc))   # per (token, head)
+    k8, v8 = ((cache.float() / sc[..., None]).round().clamp(-127, 127).to(torch.int8) for cache, sc in ((kc, ks), (vc, vs)))
     o_ref8 = paged_attention_torch(q.float(), k8.float() * ks[..., None], v8.float() * vs[..., None], tables, lens)
     o8 = paged_decode_attention(q, k8, v8, tables, lens, k_scale=ks.contiguous(), v_scale=vs.contiguous())
     rows.append({"kernel": "paged_decode_attention", "case": "int8 KV cache with scales", "max_err": _err(o8, o_ref8)})
