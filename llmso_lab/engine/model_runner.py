@@ -90,9 +90,9 @@ class OneDNNLinear:
     """A weight prepacked once into oneDNN's blocked layout for its linear kernel (what PyTorch's CPU compiler emits,
     and what vLLM's CPU backend does at load: `onednn_mm`): x [T, in] -> [T, out]. bf16: on CPUs with AMX /
     AVX512-BF16 the plain `x @ w` takes a slow matrix-vector path for a few rows (batch-1 decode ran at half fp32's
-    speed although it reads half the bytes). fp32: the packed kernel ran SmolLM2's matrices ~1.8x faster at 1-16
-    rows and ~1.2x at 512 than `x @ w` here (Lab 01, section 9), so it is used where a quick measurement on this
-    CPU says it wins (`hardware.packed_fp32_speedup`). `llmso-lab bench precision` reports which kernel ran."""
+    speed although it reads half the bytes). fp32: the packed kernel ran SmolLM2's gate/up matrix ~1.9x faster at 1
+    row, ~1.3x at 16 and ~1.2x at 512 than `x @ w` here (Lab 01, section 9), so it is used where a quick measurement
+    on this CPU says it wins (`hardware.packed_fp32_speedup`). `llmso-lab bench precision` reports which kernel ran."""
 
     def __init__(self, w_t: Tensor) -> None:
         self.shape, self.dtype = tuple(w_t.shape), w_t.dtype   # [in, out], as the engine's other weights
