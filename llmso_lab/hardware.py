@@ -157,14 +157,25 @@ def measure_matmul(dtype: torch.dtype = torch.float32, seconds: float = 1.0,
     return best_rate
 
 
-def best_seconds(op, budget_s: float, min_runs: int = 3) -> float:
-    """Fastest of repeated `op()` calls over about `budget_s` seconds (after one untimed warm-up call)."""
-    op()
+def best_seconds(op, budget_s: float, min_runs: int = 3, *, warmup: bool = True, self_timed: bool = False) -> float:
+    """Fastest of repeated `op()` calls over about `budget_s` seconds (after one untimed warm-up call).
+
+    The best run, not the average, because a run that another process interrupted says nothing about the code.
+    `budget_s=0` makes exactly `min_runs` runs (a fixed count, for ops that take seconds each);
+    `warmup=False` times the first call too. With `self_timed` `op()` returns the seconds to count
+    itself (e.g. from the engine's per-token timestamps, leaving the prefill out) instead of its wall time.
+    """
+    if warmup:
+        op()
     n, best, t_end = 0, float("inf"), time.perf_counter() + budget_s
     while time.perf_counter() < t_end or n < min_runs:
         t0 = time.perf_counter()
-        op()
-        best = min(best, time.perf_counter() - t0)
+        if self_timed:
+            seconds = op()
+        else:
+            op()   # drop the result here: holding it would keep two outputs alive and change what allocation costs
+            seconds = time.perf_counter() - t0
+        best = min(best, seconds)
         n += 1
     return best
 
@@ -224,7 +235,7 @@ def native_matmul(dtype: torch.dtype, device: str | torch.device = "cpu") -> tup
 def packed_fp32_speedup(rows: int = 16, k: int = 576, n: int = 1536, budget_s: float = 0.02) -> float:
     """`x @ w` time / oneDNN prepacked time for an fp32 [rows, k] x [k, n] product (SmolLM2's MLP size) on this CPU,
     measured once per process (~0.1 s): > 1 means the engine's fp32 weights are worth prepacking
-    (`engine.model_runner.OneDNNLinear`). 0.0 where the packed kernel is missing or not x86-64 (`platform.machine`:
+    (`engine.ops.OneDNNLinear`). 0.0 where the packed kernel is missing or not x86-64 (`platform.machine`:
     oneDNN's fp32 kernels elsewhere were not measured here). `LLMSO_LAB_FP32_LINEAR=aten` forces 0.0 (plain `x @ w`),
     `=onednn` forces packing (both for experiments and tests)."""
     import platform
@@ -241,6 +252,18 @@ def packed_fp32_speedup(rows: int = 16, k: int = 576, n: int = 1536, budget_s: f
     except RuntimeError:
         return 0.0
     return best_seconds(lambda: x @ w.t(), budget_s) / onednn
+
+
+def onednn_linear_available(dtype: torch.dtype, device: str | torch.device = "cpu") -> bool:
+    """Does the engine prepack `dtype` weights for oneDNN (`engine.ops.OneDNNLinear`) on `device`? A CPU with PyTorch's
+    oneDNN build, and: bf16 that the CPU multiplies natively, or fp32 where the packed kernel measured faster than
+    `x @ w` (`packed_fp32_speedup` >= 1.1 at 16 rows, x86-64 only)."""
+    if not (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.float32:
+        return packed_fp32_speedup() >= 1.1
+    return dtype == torch.bfloat16 and native_matmul(dtype, "cpu")[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,11 +293,11 @@ def bf16_matmul_speedup(rows: Sequence[int] = (1, 16, 256), k: int = 1024, n: in
                         budget_s: float = 0.02) -> dict[int, float]:
     """fp32 time / bf16 time of `[rows, k] @ [k, n]` for each row count (best of a few runs each): > 1 means
     bf16 is faster. bf16 runs the kernel the engine uses: oneDNN with the weight prepacked where available
-    (`engine.model_runner.OneDNNLinear`; the plain bf16 `mm` takes a slow matrix-vector path for few rows), else
+    (`engine.ops.OneDNNLinear`; the plain bf16 `mm` takes a slow matrix-vector path for few rows), else
     `torch.mm`. About 0.1 s."""
-    from llmso_lab.engine.model_runner import OneDNNLinear
+    from llmso_lab.engine.ops import OneDNNLinear   # a leaf module (torch only)
 
-    packed = OneDNNLinear.available(torch.bfloat16, torch.device("cpu"))
+    packed = onednn_linear_available(torch.bfloat16, "cpu")
     out = {}
     for m in rows:
         a, b = torch.randn(m, k), torch.randn(k, n)

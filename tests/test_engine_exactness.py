@@ -165,7 +165,7 @@ def test_sliding_window_is_exercised():
     """The Mistral workload is longer than its window, so a full-attention engine would differ."""
     model, ref = model_and_reference("mistral")
     assert model.config.sliding_window < max(len(p) + n for p, n in zip(PROMPTS, MAX_TOKENS))
-    from llmso_lab.engine.model_runner import sliding_windows
+    from llmso_lab.engine.cache_sizing import sliding_windows
     assert sliding_windows(model.config, MAX_LEN) == [7, 7]
     assert sliding_windows(model_and_reference("qwen2sw")[0].config, MAX_LEN) == [None, 5]
     assert sliding_windows(model.config, 7) == [None, None]   # a window covering max_model_len is full attention
@@ -179,7 +179,7 @@ def test_sliding_window_is_exercised():
 def test_rope_tables_match_hf(rope):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    from llmso_lab.engine.model_runner import rope_cos_sin
+    from llmso_lab.engine.ops import rope_cos_sin
     kw = {} if rope is None else {"rope_parameters": rope}
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256, **kw)
     cos, sin = rope_cos_sin(cfg, 256)

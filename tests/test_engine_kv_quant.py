@@ -64,10 +64,10 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="MLA"):
         LLM(tiny_deepseek_v3(), kv_cache_dtype="int8", max_model_len=32)
 
-    class Subclass(LLM):   # e.g. the disaggregation workers, which ship the plain K/V tensors
-        pass
-    with pytest.raises(ValueError, match="supported by LLM itself"):
-        Subclass(model(), kv_cache_dtype="int8", max_model_len=32)
+    from llmso_lab.disagg.worker import DecodeEngine, PrefillEngine
+    for worker in (PrefillEngine, DecodeEngine):   # the disaggregation workers ship the plain K/V tensors
+        with pytest.raises(ValueError, match="supported by LLM itself"):
+            worker(model(), kv_cache_dtype="int8", max_model_len=32)
     with pytest.raises(ValueError, match="KIVI window pool"):   # the window pool alone eats the budget
         engine("kivi4", kv_cache_memory_bytes=20_000)
 

@@ -69,7 +69,7 @@ def test_latent_cache_bytes_per_token_vs_mha_of_the_same_width():
     mha_bytes = slot(mha.model_runner.k_cache) + slot(mha.model_runner.v_cache)
     assert mla.model_runner.v_cache.data_ptr() == mla.model_runner.k_cache.data_ptr()
     assert mla_bytes == (32 + 8) * 4 and mha_bytes == 2 * 4 * 16 * 4   # 160 vs 512 bytes: 3.2x smaller
-    from llmso_lab.engine.model_runner import kv_cache_bytes_per_block
+    from llmso_lab.engine.cache_sizing import kv_cache_bytes_per_block
     assert kv_cache_bytes_per_block(mla.model.config, 1, torch.float32) == 2 * mla_bytes   # 2 layers
 
 

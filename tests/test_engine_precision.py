@@ -97,7 +97,7 @@ def test_16_bit_engine_agrees_with_hf_in_the_same_dtype_up_to_near_ties(dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # a CPU without native units warns; the arithmetic is the same
         llm = LLM(tiny_llama(), dtype=dtype, block_size=4, max_model_len=64)
-    assert llm.model_runner.k_cache.dtype == dtype and llm.model_runner.layers[0].qkv.dtype == dtype
+    assert llm.model_runner.k_cache.dtype == dtype and llm.model_runner.layers[0].attn.qkv.dtype == dtype
     expected = [hf_greedy(tiny_llama(dtype=dtype), p, 12) for p in PROMPTS]
     got = _engine_tokens(llm)
     agree = greedy_agreement(expected, got)
@@ -124,15 +124,15 @@ def test_greedy_agreement_counts_tokens_before_the_first_divergence():
 def test_fp32_engine_equals_hf_through_either_linear_kernel(mode, monkeypatch):
     """fp32 weights go through oneDNN's prepacked kernel where it measured faster (`hw.packed_fp32_speedup`), else
     plain `x @ w`: both kernels must give Hugging Face's greedy tokens exactly; the override says which one ran."""
-    from llmso_lab.engine.model_runner import OneDNNLinear
+    from llmso_lab.engine.ops import OneDNNLinear
 
     monkeypatch.setenv("LLMSO_LAB_FP32_LINEAR", mode)
     hw.packed_fp32_speedup.cache_clear()
     try:
-        packed = OneDNNLinear.available(torch.float32, torch.device("cpu"))
+        packed = hw.onednn_linear_available(torch.float32, "cpu")
         assert packed == (mode == "onednn" and torch.backends.mkldnn.is_available())
         llm = LLM(tiny_llama(), block_size=4, max_model_len=64)
-        assert isinstance(llm.model_runner.layers[0].qkv, OneDNNLinear) == packed
+        assert isinstance(llm.model_runner.layers[0].attn.qkv, OneDNNLinear) == packed
         assert isinstance(llm.model_runner.lm_head, OneDNNLinear) == packed
         assert _engine_tokens(llm) == [hf_greedy(tiny_llama(), p, 12) for p in PROMPTS]
     finally:

@@ -184,7 +184,7 @@ def test_kv_sizing_table():
 
 def test_engine_sizes_its_cache_with_the_same_function():
     from llmso_lab.engine import LLM
-    from llmso_lab.engine.model_runner import kv_cache_bytes_per_block
+    from llmso_lab.engine.cache_sizing import kv_cache_bytes_per_block
     from llmso_lab.models import tiny_llama
 
     model = tiny_llama(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2)   # head_dim 16
@@ -216,7 +216,7 @@ def test_engine_num_kv_blocks_for_smollm2_matches_the_function():
 
 def test_lab00_exercise_disables_every_home_of_the_formula():
     """While `kv_bytes_per_token` is graded, no other library route to the same number works."""
-    from llmso_lab.engine.model_runner import kv_cache_bytes_per_block
+    from llmso_lab.engine.cache_sizing import kv_cache_bytes_per_block
     from llmso_lab.grading.registry import get_exercise
     from llmso_lab.grading.tripwire import tripwire
     from llmso_lab.models import tiny_llama

@@ -7,7 +7,7 @@ import torch
 
 import parallel_ranks
 from llmso_lab.engine import LLM, SamplingParams
-from llmso_lab.engine.model_runner import kv_cache_bytes_per_block
+from llmso_lab.engine.cache_sizing import kv_cache_bytes_per_block
 from llmso_lab.models.tiny import tiny_deepseek_v3, tiny_llama
 from llmso_lab.parallel.launcher import RankError, Workers, launch
 from llmso_lab.parallel.tensor import column_parallel_linear, head_slices, row_parallel_linear, shard_linear

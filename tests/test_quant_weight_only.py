@@ -107,7 +107,7 @@ def test_quantized_engine_generates_what_hf_generates_on_the_dequantized_weights
     parted = [first_divergence_is_near_tie(ref, p, hf_greedy(ref, p, 12), o.outputs[0].token_ids) for p, o in zip(PROMPTS, outs)]
     assert parted.count(None) >= 3, parted   # measured: all four equal
     # the engine really multiplies by packed weights, and the HF module is untouched
-    assert type(llm.model_runner.layers[0].qkv).__name__ == ("WeightOnlyInt8" if method == "int8" else "WeightOnlyInt4")
+    assert type(llm.model_runner.layers[0].attn.qkv).__name__ == ("WeightOnlyInt8" if method == "int8" else "WeightOnlyInt4")
     assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
 
 

@@ -163,7 +163,7 @@ def test_sampled_tokens_follow_the_target_distribution(method, batched):
     sp = dict(temperature=1.0, top_k=6)
     spec = spec_for(method, 2, target)
     llm = LLM(target, max_model_len=64, max_num_seqs=256, speculative_config=spec)
-    llm.batched_verification = batched   # True: the GPU path (verify_batch; on CPU its torch reference)
+    llm.feature("speculative_config").batched_verification = batched   # True: the GPU path (verify_batch; on CPU its torch reference)
     n = 1500
     outs = llm.generate([{"prompt_token_ids": prompt}] * n,
                         [SamplingParams(max_tokens=3, ignore_eos=True, seed=i, **sp) for i in range(n)], use_tqdm=False)

@@ -137,7 +137,7 @@ def _matmuls_only(runner, steps: int = 8) -> float:
     """Seconds per batch-1 decode step spent on the runner's weight matmuls alone (4 per layer + the LM head):
     the step with every small op (norms, RoPE, KV write, attention, SwiGLU, residuals) taken out. What a
     decode step costs above this is per-op overhead, which GPU engines remove with CUDA graphs and fusion."""
-    from llmso_lab.engine.model_runner import linear
+    from llmso_lab.engine.ops import linear
 
     weights = runner.weight_matrices()
     inputs = {n: torch.ones(1, n, dtype=runner.dtype, device=runner.device) for n in {m.shape[0] for m in weights}}

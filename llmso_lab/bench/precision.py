@@ -27,7 +27,6 @@ import datetime
 import math
 import os
 import statistics
-import time
 
 import torch
 from tqdm.auto import tqdm
@@ -86,19 +85,13 @@ def roofline_share(tok_s: float, prompt_lens: list[int], output_lens: list[int],
     return bound, tok_s / bound
 
 
-def _best(fn, repeats: int) -> float:
-    return min(fn() for _ in range(repeats))
-
-
 def _prefill_tok_s(llm, prompt: list[int], repeats: int) -> float:
-    """Prompt tokens/s of one prompt in one forward (max_tokens=1), best of `repeats`."""
+    """Prompt tokens/s of one prompt in one forward (max_tokens=1), best of `repeats` (no warm-up run)."""
     from llmso_lab.engine import SamplingParams
 
-    def once() -> float:
-        t0 = time.perf_counter()
+    def once() -> None:
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t0
-    return len(prompt) / _best(once, repeats)
+    return len(prompt) / hw.best_seconds(once, 0, min_runs=repeats, warmup=False)
 
 
 def _decode_tok_s(llm, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
@@ -112,13 +105,13 @@ def _decode_tok_s(llm, prompts: list[list[int]], new_tokens: int, repeats: int) 
         times = [o.metrics.token_times for o in outs]
         start, end = max(t[0] for t in times), max(t[-1] for t in times)
         return (end - start) / sum(len(t) - 1 for t in times)   # seconds per decoded token
-    return 1.0 / _best(once, repeats)
+    return 1.0 / hw.best_seconds(once, 0, min_runs=repeats, warmup=False, self_timed=True)
 
 
 def _linear_kernel(llm) -> str:
     """Which matmul kernel the engine's weights go through: "oneDNN packed" (`OneDNNLinear`, bf16 on CPUs that
     multiply it natively) or "aten matmul" (plain `x @ w`)."""
-    from llmso_lab.engine.model_runner import OneDNNLinear
+    from llmso_lab.engine.ops import OneDNNLinear
 
     return "oneDNN packed" if isinstance(llm.model_runner.lm_head, OneDNNLinear) else "aten matmul"
 

@@ -71,7 +71,7 @@ def _weight_bytes(runner) -> int:
 
 def _matmuls_ms(runner, repeats: int = 8) -> float:
     """Median ms of one token through the runner's matrices alone (q/k/v, o, gate/up, down per layer, LM head)."""
-    from llmso_lab.engine.model_runner import linear
+    from llmso_lab.engine.ops import linear
     ws = runner.weight_matrices()
     xs = [torch.ones(1, w.shape[0] if isinstance(w, torch.Tensor) else w.in_features) for w in ws]
     times = []

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from llmso_lab import hardware as hw
 from llmso_lab.bench.attention import _device_name
 
 __all__ = ["run", "FULL", "QUICK", "load_prompts", "copy_rate"]
@@ -109,15 +110,17 @@ def _interleaved_batch1(engines: list, prompts: dict, new_tokens: int) -> dict:
 
 
 def _batched(model, tok, ps: list, method: str, k: int, batch: int, new_tokens: int, repeats: int = 2) -> float:
-    """Tokens/s of one engine serving all of `ps` at once (continuous batching, `batch` slots): best of `repeats`."""
+    """Tokens/s of one engine serving all of `ps` at once (continuous batching, `batch` slots): best of `repeats`
+    (no warm-up run)."""
     from llmso_lab.engine import SamplingParams
     llm = _engine(model, tok, method, k, batch)
-    best = 0.0
-    for _ in range(repeats):
+
+    def seconds_per_token() -> float:   # per token, not per run: a run may stop early at EOS
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(max_tokens=new_tokens), use_tqdm=False)
-        best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
-    return best
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return (time.perf_counter() - t) / tokens
+    return 1.0 / hw.best_seconds(seconds_per_token, 0, min_runs=repeats, warmup=False, self_timed=True)
 
 
 def _hf_peer(model, tok, prompts: dict, new_tokens: int, k: int) -> list[dict]:

@@ -53,7 +53,7 @@ def slots_of(block_table: list[int], block_size: int, start: int, stop: int) -> 
 
 def _caches(runner) -> list[Tensor]:
     """The per-layer cache tensors a transfer carries: K and V, or MLA's one latent cache."""
-    return [runner.k_cache] if runner.mla is not None else [runner.k_cache, runner.v_cache]
+    return runner.kv_store.transfer_tensors()
 
 
 class Link:
@@ -77,8 +77,19 @@ class Pipe:
             self.conn.send(msg)
 
 
+class ShippingEngine(LLM):
+    """An engine whose KV rows travel between workers as plain tensors (`transfer_tensors`)."""
+
+    def __init__(self, model, tokenizer=None, **engine_args) -> None:
+        kv = engine_args.get("kv_cache_dtype", "auto")
+        if kv != "auto":
+            raise ValueError(f"kv_cache_dtype={kv!r} is supported by LLM itself, not by {type(self).__name__} "
+                             "(disaggregation ships the plain K/V tensors between workers); use kv_cache_dtype='auto'")
+        super().__init__(model, tokenizer, **engine_args)
+
+
 # ---- prefill side ------------------------------------------------------------------------------------
-class PrefillEngine(LLM):
+class PrefillEngine(ShippingEngine):
     """An engine whose forwards export KV: in a step where a prompt's last chunk is computed, a hook after each
     layer copies that layer's rows for the prompt's unsent tokens and hands them to the sender."""
 
@@ -97,7 +108,7 @@ class PrefillEngine(LLM):
 
     def submit(self, job: Job) -> None:
         params = replace(job.params, max_tokens=1)
-        rid = self._add(job.prompt_token_ids, None, params, 0, job.arrival_time)
+        rid = self.add_checked(job.prompt_token_ids, None, params, 0, job.arrival_time)
         self.jobs[rid] = job
 
     def queued_tokens(self) -> int:
@@ -190,7 +201,7 @@ class Incoming:
     layer_recv: list[float] = field(default_factory=list)
 
 
-class DecodeEngine(LLM):
+class DecodeEngine(ShippingEngine):
     """An engine that continues requests prefilled elsewhere: blocks reserved, KV written in by receiver threads."""
 
     def setup(self, rank: int, pipe: Pipe, prefill_ranks: list[int]) -> None:
@@ -208,7 +219,7 @@ class DecodeEngine(LLM):
     def reserve(self, job: Job) -> int | None:
         """Blocks for the prompt (its cached prefix shared); returns the cached tokens, or None if no room yet."""
         seed = job.params.seed
-        seq = Sequence(self._new_seq_id(), str(self.num_requests), job.prompt_token_ids, job.params, job.arrival_time,
+        seq = Sequence(self.new_seq_id(), str(self.num_requests), job.prompt_token_ids, job.params, job.arrival_time,
                        generator=torch.Generator().manual_seed(seed), seed=seed)
         bm, n = self.block_manager, len(job.prompt_token_ids)
         cached = bm.match_prefix(seq)
@@ -224,7 +235,7 @@ class DecodeEngine(LLM):
     def prefill_locally(self, job: Job) -> None:
         """The router chose no transfer: this engine computes the prompt itself (a colocated request)."""
         self.cancel(job.index)
-        rid = self._add(job.prompt_token_ids, None, job.params, 0, job.arrival_time)
+        rid = self.add_checked(job.prompt_token_ids, None, job.params, 0, job.arrival_time)
         self.index_of[rid] = job.index
 
     def cancel(self, index: int) -> None:

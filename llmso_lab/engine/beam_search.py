@@ -2,8 +2,10 @@
 
 A request keeps `beam_width` live beams. Each step every live beam gives the log-probabilities of its next
 token; the candidates are all (beam, token) pairs scored by `beam's cumulative log-prob + log p(token)`.
-The engine side (`LLM.beam_search`) turns the chosen candidates into KV operations: a beam chosen k times is
-forked k - 1 times (its blocks shared copy-on-write), a beam chosen 0 times is pruned (its blocks freed).
+The engine side (`BeamSearch`, the feature behind `LLM.beam_search`) turns the chosen candidates into KV
+operations: a beam chosen k times is forked k - 1 times (its blocks shared copy-on-write), a beam chosen 0 times is
+pruned (its blocks freed). A beam's logits are taken from the loop (`take_logits`) instead of sampled; once every
+live beam of a group has its log-probs, the group steps (`after_update`).
 
 The rules follow Hugging Face `generate(num_beams=W, do_sample=False, early_stopping=True)`:
 - the best K = max(2, 1 + #EOS ids) x W candidates are ranked;
@@ -99,3 +101,107 @@ class BeamSearchGroup:
         self.finished = sorted(self.finished, key=lambda h: h.score, reverse=True)[:W]
         self.done = len(self.finished) == W or hits == len(values)
         return [] if self.done else live
+
+
+class BeamSearch:
+    """The engine feature behind `LLM.beam_search` (always present; idle unless a beam search runs)."""
+    name = "beam_search"
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.groups: dict[str, BeamSearchGroup] = {}   # beam searches in progress
+        self.touched: dict[str, BeamSearchGroup] = {}  # groups that got log-probs this step
+
+    def stats(self) -> dict:
+        return {}
+
+    def take_logits(self, rows, logits: Tensor, hidden) -> dict[int, None]:
+        """A beam's next-token log-probs wait for the rest of its group (`_step_group`): not sampled."""
+        taken = {}
+        for item, r, n in rows:
+            group = item.seq.beam
+            if group is not None and item.sample:
+                group.pending[item.seq.seq_id] = logits[r].float().cpu().log_softmax(-1)
+                self.touched[group.request_id] = group
+                taken[item.seq.seq_id] = None
+        return taken
+
+    def after_update(self, now: float) -> None:
+        for group in self.touched.values():
+            if group.ready():
+                self._step_group(group, now)
+        self.touched = {}
+
+    def _step_group(self, group: BeamSearchGroup, now: float) -> None:
+        """Every live beam of `group` has its next-token log-probs: choose the next beams, then fork the beams
+        chosen more than once (blocks shared), extend the others and prune the beams nobody chose."""
+        engine = self.engine
+        chosen = group.step()
+        kept = {cand.parent for cand in chosen}
+        for p, parent in enumerate(group.beams):
+            if p not in kept:
+                engine.scheduler.abort(parent)   # pruned: its blocks go back (those it shared stay with the others)
+        # A parent chosen k times is forked k - 1 times before any beam grows, so each child starts from its tokens.
+        beams, seen = [], set()
+        for cand in chosen:
+            parent = group.beams[cand.parent]
+            beams.append(parent if cand.parent not in seen else
+                         engine.fork(parent, len(engine.samples[group.request_id]), parent.seed))
+            seen.add(cand.parent)
+        for beam, cand in zip(beams, chosen):
+            beam.append_token(cand.token, now)
+        group.beams, group.scores = beams, [cand.cum_logprob for cand in chosen]
+        engine.num_generated_tokens += len(chosen)
+        if group.done:
+            for beam in group.beams:
+                engine.scheduler.abort(beam)
+            group.beams = []
+
+    def run(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """`LLM.beam_search`: beams fork by copy-on-write and free their blocks when pruned; the scores follow Hugging
+        Face (above). Returns, per prompt, its `beam_width` best sequences, best first."""
+        from llmso_lab.engine.sampling_params import SamplingParams
+        engine, config = self.engine, self.engine.config
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if config.batching != "continuous":
+            raise ValueError("beam_search needs batching='continuous' (beams fork and are pruned step by step)")
+        if config.eviction is not None:
+            raise ValueError("beam_search cannot be combined with kv_eviction (beams share blocks that one of them would "
+                             "evict); make an LLM without kv_eviction")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
+        checked = [engine.validate(p, sp, 0) for p in prompts]
+        num_blocks = engine.block_manager.num_blocks
+        for ids, _ in checked:
+            need = params.beam_width * -(-(len(ids) + params.max_tokens) // config.block_size)
+            if len(ids) + params.max_tokens > engine.max_model_len:
+                raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
+                                 f"max_model_len={engine.max_model_len}")
+            if need > num_blocks:
+                raise ValueError(f"beam_width={params.beam_width} beams of {len(ids)} + {params.max_tokens} tokens may "
+                                 f"need {need} KV blocks but the cache has {num_blocks}; raise "
+                                 "num_kv_blocks or lower beam_width / max_tokens")
+        groups = []
+        for ids, text in checked:
+            group = BeamSearchGroup("", len(ids), params, engine.eos_token_ids)
+            group.request_id = engine.add_checked(ids, text, sp, 0, None, beam=group)
+            group.beams, group.scores = list(engine.samples[group.request_id]), [0.0]
+            self.groups[group.request_id] = group
+            groups.append(group)
+        from tqdm.auto import tqdm
+        with tqdm(total=len(groups), desc="beam_search", disable=not use_tqdm) as bar:
+            def collect(finished) -> None:
+                engine.undelivered.extend(finished)
+                bar.n = sum(g.done for g in groups)
+                bar.refresh()
+            engine.run_until(lambda: all(g.done for g in groups), collect, what="beam search")
+        results = []
+        for group in groups:
+            del self.groups[group.request_id]
+            engine.samples.pop(group.request_id, None)
+            for h in group.finished:
+                h.text = engine.decode(h.tokens[group.prompt_len:])
+            results.append(BeamSearchOutput(group.finished))
+        return results

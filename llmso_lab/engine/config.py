@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
 
 from llmso_lab import hardware as hw
+from llmso_lab.engine import compat
 from llmso_lab.engine.attention import ATTENTION_BACKENDS
 from llmso_lab.engine.kv_cache import kivi_window_blocks
-from llmso_lab.engine.model_runner import (check_model_config, kv_cache_bytes_per_block, kv_cache_fixed_bytes,
+from llmso_lab.engine.cache_sizing import (check_model_config, kv_cache_bytes_per_block, kv_cache_fixed_bytes,
                                            sliding_windows)
 from llmso_lab.kv.quant import KV_FORMATS
 from llmso_lab.kv.block_manager import PREFIX_CACHING_ALGOS, cdiv
@@ -64,6 +65,16 @@ class EngineConfig:
     dtype_reason: str = field(default="", init=False)                   # why (for "auto": what was detected)
     eviction: StreamingEviction | None = field(default=None, init=False)   # `kv_eviction`, checked
 
+    @classmethod
+    def from_engine_args(cls, engine_args: dict) -> EngineConfig:
+        """`EngineConfig(**engine_args)`, with an error that lists the valid names for a misspelt one."""
+        valid = [f.name for f in fields(cls) if f.init]
+        unknown = sorted(set(engine_args) - set(valid))
+        if unknown:
+            raise TypeError(f"unknown engine argument{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                            f"valid: {', '.join(valid)}")
+        return cls(**engine_args)
+
     def __post_init__(self) -> None:
         """Checks that need no model. Raises ValueError listing the valid choices."""
         for name, valid in (("batching", BATCHING_MODES), ("scheduling_policy", POLICIES),
@@ -80,22 +91,16 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.spec = SpeculativeConfig.from_dict(self.speculative_config)
             self.num_speculative_tokens = self.spec.num_speculative_tokens
-            if self.batching != "continuous":
-                raise ValueError("speculative_config needs batching='continuous' (a sequence advances by a different "
-                                 "number of tokens each step)")
-        if self.tensor_parallel_size != 1 and self.speculative_config is not None:
-            raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported here (the drafters run "
-                             "inside the model runner); use one or the other")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         self._check_kv_cache_dtype()
         if self.kv_eviction is not None:
             self.eviction = StreamingEviction.from_dict(self.kv_eviction)
-            self._check_eviction()
+        compat.check(self)   # the features that cannot run together: one table (`engine.compat`)
 
     def _check_kv_cache_dtype(self) -> None:
-        """kv_cache_dtype and its options; the features a quantized cache is not wired into refuse it."""
+        """kv_cache_dtype and its options (which features refuse a quantized cache: `engine.compat`)."""
         kv = self.kv_cache_dtype
         if kv not in KV_FORMATS:
             raise ValueError(f"unknown kv_cache_dtype {kv!r}; valid: {', '.join(KV_FORMATS)}")
@@ -107,49 +112,12 @@ class EngineConfig:
         if kv.startswith("kivi") and (not isinstance(r, int) or r < 0 or r % bs):
             raise ValueError(f"kivi_residual_length must be a non-negative multiple of block_size ({bs}), got {r!r}: "
                              "KIVI here quantizes whole blocks (one key group per block)")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"kv_cache_dtype={kv!r} with tensor_parallel_size > 1 is not supported here (the rank "
-                             "processes keep plain cache tensors); use kv_cache_dtype='auto' or one rank")
-        if self.spec is not None and (self.spec.method == "eagle" or kv.startswith("kivi")):
-            raise ValueError(f"kv_cache_dtype={kv!r} with speculative_config method {self.spec.method!r} is not "
-                             "supported (EAGLE's feature cache and KIVI's window are not rolled back with rejected "
-                             "drafts); use kv_cache_dtype='auto', or fp8 / int8 with ngram / draft_model drafting")
-        if kv.startswith("kivi") and self.preemption_mode == "swap":
-            raise ValueError(f"kv_cache_dtype={kv!r} with preemption_mode='swap' is not supported (a swapped block "
-                             "would have to carry its KIVI state: window or sealed); use preemption_mode='recompute'")
-        if kv.startswith("kivi") and self.enable_prefix_caching and self.prefix_caching_algo == "radix":
-            raise ValueError(f"kv_cache_dtype={kv!r} with prefix_caching_algo='radix' is not supported (the radix tree "
-                             "caches partly filled blocks, which KIVI cannot quantize as a key group); use 'hash'")
-
-    def _check_eviction(self) -> None:
-        """Refuse the settings that StreamingLLM's block eviction would break (see `kv.streaming`)."""
-        why = {
-            "enable_prefix_caching": (self.enable_prefix_caching, "a dropped block leaves a hole in the table, so the "
-                                      "blocks after it cannot be shared as a cached prefix"),
-            "speculative_config": (self.speculative_config is not None, "draft slots and their rollback assume the "
-                                   "cache holds the whole sequence"),
-            "preemption_mode='swap'": (self.preemption_mode == "swap", "use preemption_mode='recompute'"),
-            "batching other than 'continuous'": (self.batching != "continuous", "static batches reserve every row's "
-                                                 "whole length up front"),
-            "tensor_parallel_size > 1": (self.tensor_parallel_size != 1, "not implemented for the rank processes"),
-            f"kv_cache_dtype={self.kv_cache_dtype!r}": (self.kv_cache_dtype != "auto", "the two are not tested "
-                                                         "together (a KIVI block's window state, scales per block); "
-                                                         "use kv_cache_dtype='auto' with kv_eviction"),
-            "enable_chunked_prefill=False": (not self.enable_chunked_prefill, "a prompt (or a sequence recomputed after "
-                                             "preemption) longer than the budget is prefilled in chunks, evicting "
-                                             "between them"),
-        }
-        for name, (bad, reason) in why.items():
-            if bad:
-                raise ValueError(f"kv_eviction cannot be combined with {name}: {reason}")
 
     def resolve(self, model_config, device: torch.device) -> None:
         """Fill in torch_dtype, max_model_len, num_kv_blocks and swap_space_blocks for this model on `device`;
         check they can work."""
         check_model_config(model_config)
-        if self.kv_cache_dtype != "auto" and model_config.model_type == "deepseek_v3":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is implemented for K/V caches, not MLA's latent "
-                             "cache; use kv_cache_dtype='auto' with MLA models")
+        compat.check(self, model_config)   # now with the model's own features (MLA)
         self.torch_dtype, self.dtype_reason = resolve_dtype(self.dtype, device, self.attention_backend)
         dtype = self.torch_dtype
         limit = model_config.max_position_embeddings
@@ -197,10 +165,8 @@ class EngineConfig:
 
 
 def check_eviction_model(model_config, max_model_len: int) -> None:
-    """Raise ValueError for models whose attention block eviction would break: MLA (its latent cache is not built for
-    it here) and sliding-window layers (their window is counted in positions, the cache's indices are not)."""
-    if model_config.model_type == "deepseek_v3":
-        raise ValueError("kv_eviction is implemented for Llama-family attention, not MLA; use kv_eviction=None")
+    """Raise ValueError for models whose attention block eviction would break: sliding-window layers (their window is
+    counted in positions, the cache's indices are not). (MLA: `engine.compat`.)"""
     if any(w is not None for w in sliding_windows(model_config, max_model_len)):
         raise ValueError(f"kv_eviction cannot be combined with a sliding-window model (sliding_window="
                          f"{model_config.sliding_window}): its window would be measured in cache slots, not positions; "
@@ -210,8 +176,6 @@ def check_eviction_model(model_config, max_model_len: int) -> None:
 def check_tensor_parallel(model_config, tp: int) -> None:
     """Raise ValueError unless `tp` ranks can split this model's heads and MLP (`parallel.heads.shard_heads`)."""
     from llmso_lab.parallel.heads import shard_heads
-    if model_config.model_type == "deepseek_v3":
-        raise ValueError("tensor_parallel_size > 1 is implemented for Llama-family attention, not MLA; use 1")
     shard_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
     if model_config.intermediate_size % tp:
         raise ValueError(f"intermediate_size={model_config.intermediate_size} does not split over "

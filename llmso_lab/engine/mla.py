@@ -6,6 +6,11 @@ attention backends see multi-query attention over it: query [q_nope_h @ W_UK[h],
 (`llmso_lab.attention.mla` explains the absorption). Prefill and decode both run absorbed; W_UV is applied
 to the attended latent, then o_proj. Math follows Hugging Face's DeepseekV3Attention (interleaved RoPE on the
 small rotary part, RMSNorm on the latent, its softmax scale).
+
+`MLAAttentionKind` plugs this into the model runner (its `attention_kind` seam; registered for DeepSeek-V3 in
+`engine.features`): one "KV head" of r + dr numbers per token, the value its first r (`PagedKVStore(value_dim=r)`).
+Its weights are not prepacked or quantized (`transforms_weights = False`); the features that assume separate K/V
+heads (tensor parallelism, KV quantization, KV eviction, weight quantization) refuse MLA models in `EngineConfig`.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 from torch import Tensor
 
 from llmso_lab.attention.mla import absorb_query
+from llmso_lab.engine.ops import apply_rope, rms_norm, transposed
 
 
 @dataclass(slots=True)
@@ -75,26 +81,59 @@ def rope_interleaved(x: Tensor, cos_half: Tensor, sin_half: Tensor) -> Tensor:
     return torch.cat([x1 * cos_half - x2 * sin_half, x2 * cos_half + x1 * sin_half], dim=-1)
 
 
-def mla_layer(x: Tensor, w: MLAWeights, shape: MLAShape, backend, k_cache: Tensor, v_cache: Tensor, meta,
-              cos: Tensor, sin: Tensor, rms_norm, apply_rope) -> Tensor:
-    """x [T, hidden] (after the input RMSNorm) -> the attention block's output [T, hidden].
-    cos/sin [T, 1, dr] as the model runner keeps them (sin signed for `apply_rope`)."""
-    T, H, dn, dr, r = x.shape[0], shape.num_heads, shape.nope_dim, shape.rope_dim, shape.latent_dim
-    q = x @ w.q if w.q is not None else rms_norm(x @ w.q_a, w.q_a_norm, w.q_a_eps) @ w.q_b
-    q = q.view(T, H, dn + dr)
-    q_nope, q_pe = q[..., :dn], q[..., dn:]
-    latent = x @ w.kv_a                                                   # [T, r + dr]
-    c_kv = rms_norm(latent[:, :r], w.kv_a_norm, w.kv_a_eps)               # [T, r]
-    k_pe = latent[:, None, r:]                                            # [T, 1, dr]
-    if shape.interleave:
-        half = dr // 2
-        cos_h, sin_h = cos[..., :half], sin[..., half:]                   # the table is cat(f, f); sin unsigned there
-        q_pe, k_pe = rope_interleaved(q_pe, cos_h, sin_h), rope_interleaved(k_pe, cos_h, sin_h)
-    else:
-        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
-    query = absorb_query(q_nope, q_pe, w.w_uk)                             # [T, H, r + dr]
-    key = torch.cat([c_kv[:, None], k_pe], dim=-1)                        # [T, 1, r + dr]: what the cache stores
-    backend.store_kvcache(key, None, k_cache, v_cache, meta.slot_mapping)
-    o_latent = backend.forward(query, key, key[..., :r], k_cache, v_cache, meta, None)   # [T, H, r]
-    out = torch.einsum("thr,hvr->thv", o_latent, w.w_uv)                  # [T, H, dv]
-    return out.reshape(T, H * shape.v_dim) @ w.o
+@dataclass(slots=True)
+class MLAAttention:
+    """One MLA layer in the model runner's attention protocol (`project` -> cache write and attention -> `output`)."""
+    w: MLAWeights
+    shape: MLAShape
+    sliding_window = None
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, hidden] (normed) -> the absorbed query [T, H, r + dr], the key [T, 1, r + dr] (what the cache stores)
+        and the value [T, 1, r] (a view of the key: the latent). cos/sin [T, 1, dr] (sin signed for `apply_rope`)."""
+        w, shape = self.w, self.shape
+        T, H, dn, dr, r = x.shape[0], shape.num_heads, shape.nope_dim, shape.rope_dim, shape.latent_dim
+        q = x @ w.q if w.q is not None else rms_norm(x @ w.q_a, w.q_a_norm, w.q_a_eps) @ w.q_b
+        q = q.view(T, H, dn + dr)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]
+        latent = x @ w.kv_a                                                   # [T, r + dr]
+        c_kv = rms_norm(latent[:, :r], w.kv_a_norm, w.kv_a_eps)               # [T, r]
+        k_pe = latent[:, None, r:]                                            # [T, 1, dr]
+        if shape.interleave:
+            half = dr // 2
+            cos_h, sin_h = cos[..., :half], sin[..., half:]                   # the table is cat(f, f); sin unsigned there
+            q_pe, k_pe = rope_interleaved(q_pe, cos_h, sin_h), rope_interleaved(k_pe, cos_h, sin_h)
+        else:
+            q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
+        key = torch.cat([c_kv[:, None], k_pe], dim=-1)                        # [T, 1, r + dr]
+        return absorb_query(q_nope, q_pe, w.w_uk), key, key[..., :r]
+
+    def output(self, o_latent: Tensor) -> Tensor:
+        """The attended latent [T, H, r] -> W_UV -> [T, H, dv] -> o_proj -> [T, hidden]."""
+        out = torch.einsum("thr,hvr->thv", o_latent, self.w.w_uv)
+        return out.reshape(o_latent.shape[0], self.shape.num_heads * self.shape.v_dim) @ self.w.o
+
+    def matrices(self) -> list:
+        w = self.w
+        return [m for m in (w.q, w.q_a, w.q_b, w.kv_a, w.o) if m is not None]
+
+
+class MLAAttentionKind:
+    """The model runner's `attention_kind` for DeepSeek-V2/V3 attention: a latent cache of r + dr numbers per token."""
+    transforms_weights = False
+
+    def __init__(self, cfg, group) -> None:
+        self.shape = MLAShape.from_config(cfg)
+        self.num_heads = cfg.num_attention_heads
+        self.cache_heads, self.cache_dim, self.value_dim = 1, self.shape.cache_dim, self.shape.latent_dim
+
+    def backend_args(self, model) -> dict:
+        return dict(num_heads=self.num_heads, num_kv_heads=1, head_dim=self.cache_dim, v_head_dim=self.value_dim,
+                    latent=True, scale=float(model.model.layers[0].self_attn.scaling))
+
+    def load(self, layer, window: int | None, dtype: torch.dtype) -> tuple[MLAAttention, dict]:
+        m = layer.mlp
+        bias = lambda lin: getattr(lin, "bias", None)  # noqa: E731
+        mlp = {"gate": m.gate_proj.weight, "up": m.up_proj.weight, "down": m.down_proj.weight,
+               "gate_bias": bias(m.gate_proj), "up_bias": bias(m.up_proj), "down_bias": bias(m.down_proj)}
+        return MLAAttention(load_mla(layer.self_attn, self.shape, dtype, transposed), self.shape), mlp

@@ -42,7 +42,7 @@ class ScheduledSeq:
     num_pad_tokens: int = 0    # static/dynamic: padding up to the longest prompt, computed and discarded
     idle: bool = False         # static/dynamic: a finished row that still occupies (and costs) its slot
     num_lookahead: int = 0     # speculative decoding: KV slots reserved for draft tokens after the last token
-    spec_token_ids: list[int] = field(default_factory=list)   # the drafts proposed into them (counted in num_new_tokens)
+    lookahead_token_ids: list[int] = field(default_factory=list)   # the drafts proposed into them (in num_new_tokens)
 
     @property
     def num_query_tokens(self) -> int:
@@ -52,7 +52,7 @@ class ScheduledSeq:
     def sample(self) -> bool:
         """Does this step reach the end of the sequence's tokens (so a new token is sampled)?"""
         return (not self.idle and
-                self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens)
+                self.seq.num_computed_tokens + self.num_new_tokens - len(self.lookahead_token_ids) == self.seq.num_tokens)
 
 
 @dataclass(slots=True)
@@ -68,6 +68,13 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(item.num_query_tokens for item in self.scheduled)
+
+    def block_moves(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The KV store operations of this step, in the order they must run: swap-outs before the forward overwrites
+        those blocks, then swap-ins, then copy-on-write copies (after the swaps freed and filled blocks)."""
+        moves = [("swap_out", self.blocks_to_swap_out), ("swap_in", self.blocks_to_swap_in),
+                 ("copy_blocks", self.blocks_to_copy)]
+        return [(op, mapping) for op, mapping in moves if mapping]
 
 
 class Scheduler:
@@ -181,7 +188,7 @@ class Scheduler:
             return n
         bs = self.config.block_size
         n = min(n, max_chunk_tokens(seq.num_computed_tokens, bs, ev))
-        k = num_blocks_to_evict(seq.num_computed_tokens, n, seq.num_evicted_blocks, bs, ev)
+        k = num_blocks_to_evict(seq.num_computed_tokens, n, seq.num_dropped_blocks, bs, ev)
         if k:
             self.block_manager.evict_blocks(seq, ev.num_sink_blocks, k)
         return n

@@ -50,8 +50,8 @@ class Sequence:
     swap_table: dict[int, int] = field(default_factory=dict)      # while SWAPPED: block index -> CPU swap block
     prefix_ids: list[int | None] = field(default_factory=list)   # prefix cache: id of the prefix each full block ends
     num_inserted_tokens: int = 0       # radix prefix cache: leading tokens this sequence has put in the tree
-    num_evicted_blocks: int = 0        # kv_eviction: blocks dropped after the sinks (`kv.streaming`); the cache holds
-                                       # num_computed_tokens - num_evicted_blocks * block_size of its tokens
+    num_dropped_blocks: int = 0        # blocks removed from the table (their KV is gone); the cache holds
+                                       # num_computed_tokens - num_dropped_blocks * block_size of its tokens
     finish_reason: str | None = None   # "stop" | "length"
     num_preemptions: int = 0
     predicted_len: float = 0.0         # SJF: predicted output tokens still to generate (set by the policy)

@@ -128,18 +128,42 @@ def _short(x: Any, n: int = 160) -> str:
     return text if len(text) <= n else text[:n - 3] + "..."
 
 
+Leaf = Callable[[Any, Any, str], "str | None"]
+
+
+def _walk(got: Any, exp: Any, path: str, leaf: Leaf, wrong_count: Callable[[Any, Any, str, str], str],
+          dicts: bool) -> str | None:
+    """The one recursion over nested results, shared by `close` and `exact`: the first mismatch, named by
+    where it is (`result[2]['k']`).
+
+    Lists and tuples are compared item by item, and dicts key by key when `dicts`; anything else is a leaf,
+    judged by `leaf(got, exp, path)`. A sequence of the wrong kind or length is reported by
+    `wrong_count(got, exp, path, what)` (`what` says what came instead), so each comparator keeps its own
+    wording.
+    """
+    if isinstance(exp, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(exp):
+            what = f"{len(got)} items" if isinstance(got, (list, tuple)) else f"a {type(got).__name__}"
+            return wrong_count(got, exp, path, what)
+        for i, (g, e) in enumerate(zip(got, exp)):
+            if (msg := _walk(g, e, f"{path}[{i}]", leaf, wrong_count, dicts)) is not None:
+                return msg
+        return None
+    if dicts and isinstance(exp, dict):
+        if not isinstance(got, dict) or set(got) != set(exp):
+            keys = sorted(got, key=str) if isinstance(got, dict) else f"a {type(got).__name__}"
+            return f"{path}: expected keys {sorted(exp, key=str)}, got {keys}"
+        for k in exp:
+            if (msg := _walk(got[k], exp[k], f"{path}[{k!r}]", leaf, wrong_count, dicts)) is not None:
+                return msg
+        return None
+    return leaf(got, exp, path)
+
+
 def close(atol: float = 1e-5, rtol: float = 1e-5, check_dtype: bool = False) -> Comparator:
     """Numbers/tensors (possibly nested in tuples/lists) equal within atol + rtol * |expected|."""
 
-    def cmp(got: Any, exp: Any, path: str = "result") -> str | None:
-        if isinstance(exp, (tuple, list)):
-            if not isinstance(got, (tuple, list)) or len(got) != len(exp):
-                n = f"{len(got)} items" if isinstance(got, (tuple, list)) else f"a {type(got).__name__}"
-                return f"{path}: expected a sequence of {len(exp)} items, got {n}"
-            for i, (g, e) in enumerate(zip(got, exp)):
-                if (msg := cmp(g, e, f"{path}[{i}]")) is not None:
-                    return msg
-            return None
+    def leaf(got: Any, exp: Any, path: str) -> str | None:
         e, g = _as_tensor(exp), _as_tensor(got)
         if e is None:
             return None if got == exp else f"{path}: expected {_short(exp)}, got {_short(got)}"
@@ -169,13 +193,17 @@ def close(atol: float = 1e-5, rtol: float = 1e-5, check_dtype: bool = False) -> 
                     f"rtol={rtol:g})")
         return None
 
-    return lambda got, exp: cmp(got, exp)
+    def wrong_count(got: Any, exp: Any, path: str, what: str) -> str:
+        return f"{path}: expected a sequence of {len(exp)} items, got {what}"
+
+    # A dict is one leaf here, compared with ==: a tolerance inside dicts would change what passes.
+    return lambda got, exp: _walk(got, exp, "result", leaf, wrong_count, dicts=False)
 
 
 def exact() -> Comparator:
     """Plain data equal exactly (tensors by value, shape and dtype; ints and floats by value)."""
 
-    def cmp(got: Any, exp: Any, path: str = "result") -> str | None:
+    def leaf(got: Any, exp: Any, path: str) -> str | None:
         if isinstance(exp, torch.Tensor):
             if not isinstance(got, torch.Tensor):
                 return f"{path}: expected a tensor {_short(exp)}, got {type(got).__name__} {_short(got)}"
@@ -186,22 +214,6 @@ def exact() -> Comparator:
             if got.dtype != exp.dtype:  # torch.equal ignores dtype
                 return f"{path}: dtype {got.dtype}, expected {exp.dtype}"
             return None
-        if isinstance(exp, (list, tuple)):
-            if not isinstance(got, (list, tuple)) or len(got) != len(exp):
-                what = f"{len(got)} items" if isinstance(got, (list, tuple)) else f"a {type(got).__name__}"
-                return f"{path}: expected {len(exp)} items, got {what}: expected {_short(exp)}, got {_short(got)}"
-            for i, (g, e) in enumerate(zip(got, exp)):
-                if (msg := cmp(g, e, f"{path}[{i}]")) is not None:
-                    return msg
-            return None
-        if isinstance(exp, dict):
-            if not isinstance(got, dict) or set(got) != set(exp):
-                keys = sorted(got, key=str) if isinstance(got, dict) else f"a {type(got).__name__}"
-                return f"{path}: expected keys {sorted(exp, key=str)}, got {keys}"
-            for k in exp:
-                if (msg := cmp(got[k], exp[k], f"{path}[{k!r}]")) is not None:
-                    return msg
-            return None
         if type(exp) is float and type(got) in (int, float) and math.isclose(got, exp, rel_tol=1e-12, abs_tol=1e-12):
             return None
         numbers = (int, float)
@@ -209,7 +221,10 @@ def exact() -> Comparator:
             return f"{path}: expected {type(exp).__name__} {_short(exp)}, got {type(got).__name__} {_short(got)}"
         return None if got == exp else f"{path}: expected {_short(exp)}, got {_short(got)}"
 
-    return lambda got, exp: cmp(got, exp)
+    def wrong_count(got: Any, exp: Any, path: str, what: str) -> str:
+        return f"{path}: expected {len(exp)} items, got {what}: expected {_short(exp)}, got {_short(got)}"
+
+    return lambda got, exp: _walk(got, exp, "result", leaf, wrong_count, dicts=True)
 
 
 def same_distribution(alpha: float = 1e-3, min_expected: float = 5.0) -> Comparator:

@@ -224,7 +224,7 @@ class BlockManager:
 
     def _num_kv_tokens(self, seq: Sequence) -> int:
         """Computed tokens of `seq` its block table covers: all of them, less the blocks dropped by `evict_blocks`."""
-        return seq.num_computed_tokens - seq.num_evicted_blocks * self.block_size
+        return seq.num_computed_tokens - seq.num_dropped_blocks * self.block_size
 
     def _shared_in_write_range(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Indices of the blocks `seq` will write this step's tokens into that another table also holds."""
@@ -339,7 +339,7 @@ class BlockManager:
         for block_id in seq.block_table[first:end]:
             self._release(block_id)
         del seq.block_table[first:end]
-        seq.num_evicted_blocks += count
+        seq.num_dropped_blocks += count
         self.num_evicted_blocks += count
 
     def fork(self, parent: Sequence, child: Sequence, share: bool = True) -> list[tuple[int, int]]:
@@ -349,7 +349,7 @@ class BlockManager:
         Returns the (source block, destination block) copies to do before the next forward."""
         assert not child.block_table and not parent.swap_table, "fork a running parent into an empty child"
         child.num_computed_tokens, child.prefix_ids = parent.num_computed_tokens, list(parent.prefix_ids)
-        child.num_evicted_blocks = parent.num_evicted_blocks
+        child.num_dropped_blocks = parent.num_dropped_blocks
         copies = []
         for block_id in parent.block_table:
             if share:
@@ -390,7 +390,7 @@ class BlockManager:
             self._release(block_id)
         seq.block_table.clear()
         seq.prefix_ids.clear()
-        seq.num_evicted_blocks = 0
+        seq.num_dropped_blocks = 0
 
     # ---- swapping (preemption_mode="swap") ----------------------------------------------------
     def _blocks_to_copy(self, seq: Sequence) -> list[int]:

@@ -18,7 +18,7 @@ positions are simpler but bounded: a sequence still stops at `max_model_len` (<=
 Two lengths per sequence. "Tokens in the sequence" (positions, for RoPE) and "tokens in the cache" (what the
 attention backends index through the block table). Dropped blocks lie between the sinks and the window, and every
 token computed after an eviction lies after them, so one offset per sequence translates: cache index = position -
-`num_evicted_blocks * block_size` for every token the engine still reads or writes (`BatchBuilder.prepare_rows`).
+`num_dropped_blocks * block_size` (`Sequence.num_dropped_blocks`) for every token the engine still reads or writes (`BatchBuilder.prepare_rows`).
 The causal mask in cache coordinates is then the causal mask over the kept tokens.
 
 What a token sees. A decode token at position p (in block b = p // block_size) sees the sinks and blocks

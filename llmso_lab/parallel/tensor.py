@@ -104,11 +104,37 @@ def shard_llama_layer(layer, rank: int, tp: int, head_dim: int) -> dict[str, Ten
 
 
 # ---- the engine's executor -------------------------------------------------------------------------
+class TensorParallelGroup:
+    """The model runner's `group` seam for one TP rank: the rank's heads and layer shard (`head_slices`,
+    `shard_llama_layer`), and the all-reduce that sums the row-parallel outputs (o_proj, down_proj): two per layer,
+    gloo over loopback, counted and timed."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.num_all_reduces, self.all_reduce_s = 0, 0.0
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> tuple[range, range]:
+        return head_slices(num_heads, num_kv_heads, self.rank, self.size)
+
+    def layer_weights(self, layer, head_dim: int) -> dict[str, Tensor | None]:
+        return shard_llama_layer(layer, self.rank, self.size, head_dim)
+
+    def all_reduce(self, partial: Tensor) -> Tensor:
+        """Sum a row-parallel output over the ranks, in place."""
+        import torch.distributed as dist
+        t0 = time.perf_counter()
+        dist.all_reduce(partial)
+        self.all_reduce_s += time.perf_counter() - t0
+        self.num_all_reduces += 1
+        return partial
+
+
 def _serve_rank(rank: int, world_size: int, conn, model, config: EngineConfig) -> None:
     """One TP rank: build the shard's ModelRunner, then run the driver's commands until ("stop", None)."""
     from llmso_lab.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(model, config, tp_rank=rank, tp_size=world_size)
+    group = TensorParallelGroup(rank, world_size)
+    runner = ModelRunner(model, config, group=group)
     del model
     conn.send(("ready", {"kv_heads": runner.num_kv_heads, "q_heads": runner.num_heads}))
     while True:
@@ -120,9 +146,9 @@ def _serve_rank(rank: int, world_size: int, conn, model, config: EngineConfig) -
             if rank == 0:
                 conn.send(("logits", logits))
         elif cmd in ("swap_out", "swap_in", "copy_blocks"):
-            getattr(runner, cmd)(arg)
+            getattr(runner.kv_store, cmd)(arg)
         elif cmd == "stats":
-            conn.send(("stats", {"all_reduces": runner.num_all_reduces, "all_reduce_s": runner.all_reduce_s,
+            conn.send(("stats", {"all_reduces": group.num_all_reduces, "all_reduce_s": group.all_reduce_s,
                                  "forwards": runner.num_forwards, "forward_s": runner.forward_s}))
         else:
             raise ValueError(f"unknown command {cmd!r}")
@@ -162,10 +188,22 @@ class TensorParallelExecutor(BatchBuilder):
         if mapping:
             self.workers.send_all(("copy_blocks", mapping))
 
+    def move_blocks(self, out) -> None:
+        for op, mapping in out.block_moves():
+            getattr(self, op)(mapping)
+
     def rank_stats(self) -> list[dict]:
         """Per rank: all-reduces done, seconds inside all_reduce, forwards, seconds in forward."""
         self.workers.send_all(("stats", None))
         return [self.workers.recv(r)[1] for r in range(self.tp_size)]
+
+    def stats(self) -> dict:
+        """For `LLM.stats()`: all-reduces per rank (2 per layer per forward) and the seconds spent in them."""
+        ranks = self.rank_stats()
+        return {"tp_size": len(ranks), "tp_num_forwards": ranks[0]["forwards"],
+                "tp_all_reduces_per_rank": ranks[0]["all_reduces"],
+                "tp_all_reduce_s_per_rank": [r["all_reduce_s"] for r in ranks],
+                "tp_forward_s_per_rank": [r["forward_s"] for r in ranks]}
 
     def shutdown(self) -> None:
         self.workers.shutdown()

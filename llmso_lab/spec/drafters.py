@@ -30,18 +30,29 @@ if TYPE_CHECKING:
 Proposal = tuple[list[int], "Tensor | None"]
 
 
-class NgramDrafter:
+class Drafter:
+    """What every drafter offers the engine (`spec.engine.SpeculativeDecoding` calls these). Only `propose` is
+    required; the others default to doing nothing."""
+
+    def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
+        raise NotImplementedError
+
+    def observe(self, seq, hidden: Tensor) -> None:
+        """After a step: the target's final hidden state behind `seq`'s newest token (Medusa's heads read it)."""
+
+    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy-on-write in the target's cache: a drafter with its own paged cache copies the same blocks."""
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence is retired: drop what is kept about it."""
+
+
+class NgramDrafter(Drafter):
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.n_min, self.n_max = spec.prompt_lookup_min, spec.prompt_lookup_max
 
     def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
         return [(ngram_propose(item.seq.token_ids, item.num_lookahead, self.n_min, self.n_max), None) for item in items]
-
-    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
-        pass
-
-    def forget(self, seq_id: int) -> None:
-        pass
 
 
 def draw(logits: Tensor, params, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
@@ -53,12 +64,13 @@ def draw(logits: Tensor, params, generator: torch.Generator | None) -> tuple[int
     return int(torch.multinomial(q, 1, generator=generator)), q
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """A draft model run by a second `ModelRunner` (its KV cache indexed by the target's block tables)."""
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target_vocab_size: int) -> None:
         from llmso_lab.engine.llm import _resolve_model
-        from llmso_lab.engine.model_runner import ModelRunner, check_model_config
+        from llmso_lab.engine.cache_sizing import check_model_config
+        from llmso_lab.engine.model_runner import ModelRunner
 
         model, _ = _resolve_model(spec.model, None)
         check_model_config(model.config)
@@ -141,7 +153,7 @@ def draft_runner_config(config: EngineConfig, quantization: str | None = None) -
     return c
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Medusa heads on the hidden state that produced each sequence's last token (`observe`d after each step)."""
 
     def __init__(self, spec: SpeculativeConfig, target, runner) -> None:
@@ -155,7 +167,7 @@ class MedusaDrafter:
 
     @torch.inference_mode()
     def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
-        from llmso_lab.engine.model_runner import linear
+        from llmso_lab.engine.ops import linear
         out: list[Proposal] = []
         for item in items:
             h = self.hidden.get(item.seq.seq_id)
@@ -169,17 +181,16 @@ class MedusaDrafter:
             out.append(([t for t, _ in drafts], torch.stack(qs) if qs else None))
         return out
 
-    def copy_blocks(self, mapping: list[tuple[int, int]]) -> None:
-        pass
-
     def forget(self, seq_id: int) -> None:
         self.hidden.pop(seq_id, None)
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """An EAGLE head run by its own one-layer `ModelRunner` on the target's block tables. Its input at position p
-    needs the target's feature at p - 1: the target keeps every token's feature in a paged `feature_cache` (so
-    prefix-cache hits, preemption and copy-on-write carry features along with K/V)."""
+    needs the target's feature at p - 1: every token's feature (the target's final-normed hidden state, through the
+    runner's `final_hidden_hook`) goes into a paged `feature_cache` that the target's KV store moves with its blocks
+    (so prefix-cache hits, preemption and copy-on-write carry features along with K/V). Rejected drafts' features
+    are overwritten later, as their K/V is."""
 
     def __init__(self, spec: SpeculativeConfig, target, config: EngineConfig, runner) -> None:
         from llmso_lab.engine.model_runner import ModelRunner
@@ -189,11 +200,19 @@ class EagleDrafter:
         self.runner = ModelRunner(self.head.model, draft_runner_config(config))
         self.fc = self.head.fc.to(runner.dtype)
         self.computed: dict[int, tuple[int, int]] = {}          # seq_id -> (num_preemptions, positions done)
+        hidden = target.config.hidden_size
+        self.feature_cache = torch.zeros(1, runner.null_block + 1, runner.block_size, hidden, dtype=runner.dtype,
+                                         device=runner.device)
+        runner.kv_store.add_per_block(self.feature_cache)
+        runner.final_hidden_hook = self._store_features
+
+    def _store_features(self, features: Tensor, meta) -> None:
+        self.feature_cache.view(-1, features.shape[-1]).index_copy_(0, meta.slot_mapping, features)
 
     def _features(self, seq, positions: list[int]) -> Tensor:
         """The target's features at `positions` (-1: the zero feature before the first token)."""
         bs, table = self.target_runner.block_size, seq.block_table
-        cache = self.target_runner.feature_cache.view(-1, self.target_runner.feature_cache.shape[-1])
+        cache = self.feature_cache.view(-1, self.feature_cache.shape[-1])
         slots = torch.tensor([table[p // bs] * bs + p % bs if p >= 0 else 0 for p in positions], device=cache.device)
         f = cache.index_select(0, slots)
         return f * torch.tensor([p >= 0 for p in positions], dtype=f.dtype, device=f.device)[:, None]

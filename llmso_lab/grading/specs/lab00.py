@@ -10,7 +10,7 @@ KV_BYTES_ELSEWHERE = ("llmso_lab.hardware:kv_cache_bytes", "llmso_lab.hardware:m
                       "llmso_lab.models.shapes:ModelShape.kv_bytes_per_token",
                       "llmso_lab.models.shapes:ModelShape.kv_cache_bytes",
                       "llmso_lab.sim.cost:StepCost.kv_bytes_per_token",
-                      "llmso_lab.engine.model_runner:kv_cache_bytes_per_block")
+                      "llmso_lab.engine.cache_sizing:kv_cache_bytes_per_block")
 
 register(
     Exercise("matmul_arithmetic_intensity", "00", 20, "llmso_lab.hardware:matmul_arithmetic_intensity", [

@@ -1,0 +1,58 @@
+"""Where the engine's features are registered: the core (`llm`, `scheduler`, `model_runner`, `sequence`,
+`kv.block_manager`) names none of them; each lives in its own module and is looked up here.
+
+- `attention_kind(model_config)`: the attention a model family needs beside Llama's (`model_runner.LlamaAttentionKind`);
+- `matmul_kernel(config, dtype, device)`: what the runner turns each weight matrix into;
+- the KV stores (plain, latent, quantized, KIVI) are picked in `engine.kv_cache.make_kv_store`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def attention_kind(model_config):
+    """The runner's `attention_kind` for this model, or None for Llama-family attention."""
+    if model_config.model_type == "deepseek_v3":   # MLA: a latent cache (engine.mla)
+        from llmso_lab.engine.mla import MLAAttentionKind
+        return MLAAttentionKind
+    return None
+
+
+def matmul_kernel(config, dtype: torch.dtype, device: torch.device) -> Callable | None:
+    """What each weight matrix [in, out] becomes: a weight-only quantized matmul (`quantization=`, lecture 1-3:
+    `quant.weight_only`; activations cast to bf16 for the kernel only), a oneDNN prepacked weight where that measured
+    faster on this CPU (`hardware.onednn_linear_available`), or None: plain `x @ w`."""
+    if config.quantization:
+        from llmso_lab.quant.weight_only import quantize_weight
+        method, group = config.quantization, config.quantization_group_size
+        return lambda w_t: quantize_weight(w_t.t().float(), method, group_size=group)   # [in, out] -> [out, in]
+    from llmso_lab import hardware as hw
+    if hw.onednn_linear_available(dtype, device):
+        from llmso_lab.engine.ops import OneDNNLinear
+        return OneDNNLinear
+    return None
+
+
+def model_runner(model, config):
+    """What runs step 4: one `ModelRunner`, or the tensor-parallel executor (lecture 2-2, `parallel.tensor`: N rank
+    processes hold the shards; this process schedules and samples)."""
+    if config.tensor_parallel_size > 1:
+        from llmso_lab.parallel.tensor import TensorParallelExecutor
+        return TensorParallelExecutor(model, config)
+    from llmso_lab.engine.model_runner import ModelRunner
+    return ModelRunner(model, config)
+
+
+def engine_features(engine) -> list:
+    """The features whose hooks the engine's loop calls (`LLM._step`), for `engine.config`. A feature has a `name`
+    (its `EngineConfig` field or API), `stats()`, and any of: `on_retire(seqs)`, `after_schedule(out)`,
+    `on_block_copies(mapping)`, `take_logits(rows, logits, hidden)`, `after_sample(out, sampled)`,
+    `after_update(now)`."""
+    from llmso_lab.engine.beam_search import BeamSearch
+    found = [BeamSearch(engine)]
+    if engine.config.spec is not None:   # speculative decoding (lecture 2-1)
+        from llmso_lab.spec.engine import SpeculativeDecoding
+        found.append(SpeculativeDecoding(engine))
+    return found
