@@ -313,7 +313,8 @@ def test_properties_random_workloads(lens, batching, budget, chunked, block_size
     for i, (n, m, _) in enumerate(lens):
         assert len(outs[str(i)].outputs[0].token_ids) == m
     assert e.block_manager.num_used_blocks == 0 and e.block_manager.num_free_blocks == e.block_manager.num_blocks
-    assert len(e.block_manager.free_swap_ids) == e.block_manager.num_swap_blocks
+    if mode == "swap":   # every host pool block is back
+        assert len(e.scheduler.preemption.space.free_ids) == e.scheduler.preemption.space.num_swap_blocks
     total = e.stats()["num_preemptions_total"]
     assert total == sum(len(t.preempted) for t in traces) == sum(o.metrics.num_preemptions for o in outs.values())
 

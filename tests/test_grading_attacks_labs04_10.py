@@ -303,3 +303,32 @@ def test_an_error_case_needs_that_error_not_any_error():
     for fn in (wrong_type, own_class):
         res = check("streaming_keep", fn=fn)
         assert res.passed == total - 2 and "expected ValueError" in repr(res), res
+
+
+def test_a_killed_graders_folders_are_removed_before_its_slot_is_reused():
+    """A grader killed mid-job leaves its job folder (a library copy, answers) readable by that slot's group; the
+    next job given the same slot (and so the same group) must not find it: taking a slot removes them first."""
+    import os
+    import tempfile
+
+    mine = tempfile.mkdtemp(prefix="llmso-grade-stale-")          # a stale job folder of our own group
+    other = tempfile.mkdtemp(prefix="llmso-grade-other-")
+    gid = os.getegid()
+    try:
+        if os.geteuid() == 0:
+            os.chown(other, 0, gid + 1)                           # another group's folder stays
+        removed = sandbox.remove_stale_job_dirs(gid)
+        assert mine in removed and not os.path.exists(mine)
+        assert os.path.exists(other) == (os.geteuid() == 0)
+        if os.geteuid() == 0:   # the sandbox's own path: a folder of a slot's group is gone once the slot is taken
+            with sandbox.Slot() as slot:
+                stale = tempfile.mkdtemp(prefix="llmso-grade-stale-")
+                os.chown(stale, 0, slot.uid)
+            with sandbox.Slot() as again:
+                assert again.uid != slot.uid or not os.path.exists(stale)
+            if os.path.exists(stale):   # (another slot was free first: clean up ourselves)
+                sandbox.remove_stale_job_dirs(slot.uid)
+    finally:
+        for path in (mine, other):
+            if os.path.exists(path):
+                os.rmdir(path)

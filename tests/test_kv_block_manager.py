@@ -1,4 +1,5 @@
-"""Block manager: allocation and ref counts, prefix caching by hash chain, LRU reuse of freed cached blocks, swap."""
+"""Block manager: allocation and ref counts, prefix caching by hash chain, LRU reuse of freed cached blocks, swap
+(`engine.swap.SwapSpace`, the block-level part of preemption by swap)."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.engine.sequence import Sequence
+from llmso_lab.engine.swap import SwapSpace
 from llmso_lab.kv import BlockManager
 
 BS = 4
@@ -143,27 +145,29 @@ def test_hit_on_free_cached_block_revives_it():
 
 
 def test_swap_out_and_in():
-    bm = BlockManager(6, BS, num_swap_blocks=3)
+    bm = BlockManager(6, BS)
+    space = SwapSpace(bm, 3)
     s = seq(range(10))
     bm.allocate(s, 10)
     s.num_computed_tokens = 10
     device_blocks = list(s.block_table)
-    assert bm.can_swap_out(s)
-    out = bm.swap_out(s)
+    assert space.can_swap_out(s)
+    out = space.swap_out(s)
     assert [d for d, _ in out] == device_blocks and bm.num_free_blocks == 6
-    assert sorted(s.swap_table.values()) == [0, 1, 2] and s.block_table == [None] * 3 and not bm.free_swap_ids
-    bm.check_invariants([], swapped=[s])
-    assert bm.can_swap_in(s, 1)               # 3 blocks back, the 11th token fits in the 3rd
-    back = bm.swap_in(s)
+    assert sorted(space.tables[s].values()) == [0, 1, 2] and s.block_table == [None] * 3 and not space.free_ids
+    bm.check_invariants([s])
+    space.check_invariants([s])
+    assert space.can_swap_in(s, 1)               # 3 blocks back, the 11th token fits in the 3rd
+    back = space.swap_in(s)
     assert [c for c, _ in back] == [c for _, c in out] and len(set(s.block_table)) == 3
-    assert len(bm.free_swap_ids) == 3 and bm.num_free_blocks == 3
+    assert len(space.free_ids) == 3 and bm.num_free_blocks == 3
     bm.check_invariants([s])
     big = seq(range(20), 1)
     bm.free(s)
     bm.allocate(big, 20)
-    assert bm.can_swap_out(big)               # nothing computed yet: nothing to copy
+    assert space.can_swap_out(big)               # nothing computed yet: nothing to copy
     big.num_computed_tokens = 20
-    assert not bm.can_swap_out(big)           # 5 blocks > 3 swap blocks
+    assert not space.can_swap_out(big)           # 5 blocks > 3 swap blocks
 
 
 @settings(max_examples=60, deadline=None)
@@ -232,7 +236,8 @@ def test_swap_keeps_shared_blocks_and_finds_cached_ones_again():
     """Swap composes with prefix caching: a swap-out copies and frees only the blocks the sequence holds alone
     (a shared prefix stays on the device, still referenced); a swap-in shares blocks that are still cached
     instead of copying them into fresh ones, and re-caches the ones it had to copy."""
-    bm = BlockManager(8, BS, enable_prefix_caching=True, num_swap_blocks=8)
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    space = SwapSpace(bm, 8)
     a = seq([1] * 8 + [2], 0)
     compute(bm, a)                                   # caches [1]*4, [1]*4
     b = seq([1] * 8 + [3, 4, 5, 6, 7], 1)
@@ -240,21 +245,22 @@ def test_swap_keeps_shared_blocks_and_finds_cached_ones_again():
     b.num_computed_tokens = 13
     bm.cache_full_blocks(b)                          # caches [3..6]; holds [7] alone
     table, used = list(b.block_table), bm.num_used_blocks
-    copies = bm.swap_out(b)
+    copies = space.swap_out(b)
     assert [d for d, _ in copies] == table[2:]       # only b's own blocks are copied ...
     assert bm.num_used_blocks == used - 2            # ... and freed
     assert b.block_table[:2] == table[:2] and bm.blocks[table[0]].ref_count == 2
-    bm.check_invariants([a], swapped=[b])
-    back = bm.swap_in(b)
+    bm.check_invariants([a, b])
+    space.check_invariants([b])
+    back = space.swap_in(b)
     assert len(back) == 1 and b.block_table[:3] == table[:3]   # [3..6] found in the cache: shared, not copied
     assert bm.num_used_blocks == used
     bm.check_invariants([a, b])
     # evicted while swapped out: copied back, and cached again under its old key
-    bm.swap_out(b)
+    space.swap_out(b)
     filler = seq(range(100, 120), 2)
     bm.allocate(filler, 20)                          # takes every free block, evicting b's cached [3..6]
     bm.free(filler)
-    assert bm.can_swap_in(b) and len(bm.swap_in(b)) == 2
+    assert space.can_swap_in(b) and len(space.swap_in(b)) == 2
     b.num_computed_tokens = b.num_tokens
     again = seq([1] * 8 + [3, 4, 5, 6, 0], 3)
     assert bm.get_computed_blocks(again) == b.block_table[:3]

@@ -77,6 +77,19 @@ class Pipe:
             self.conn.send(msg)
 
 
+class Hooks:
+    """A feature made of callbacks: how a worker plugs into its engine's loop (`engine.features`) without
+    overriding the engine's methods."""
+
+    def __init__(self, name: str, **hooks) -> None:
+        self.name = name
+        for hook, fn in hooks.items():
+            setattr(self, hook, fn)
+
+    def stats(self) -> dict:
+        return {}
+
+
 class ShippingEngine(LLM):
     """An engine whose KV rows travel between workers as plain tensors (`transfer_tensors`)."""
 
@@ -104,6 +117,7 @@ class PrefillEngine(ShippingEngine):
         self.spans: dict[int, list] = {}                # request index -> (start, end) of each layer's send
         self.sent: dict[int, int] = {}                  # request index -> bytes sent
         self.failed: set[int] = set()                   # requests whose transfer broke: their other layers are dropped
+        self.features.append(Hooks("kv_export", after_schedule=self._plan_export, after_update=self._send_firsts))
         threading.Thread(target=self._send_loop, daemon=True, name="kv-sender").start()
 
     def submit(self, job: Job) -> None:
@@ -114,26 +128,30 @@ class PrefillEngine(ShippingEngine):
     def queued_tokens(self) -> int:
         return sum(s.num_uncomputed_tokens for s in self.scheduler.waiting + self.scheduler.running)
 
-    def _execute(self, out: SchedulerOutput) -> None:
+    # ---- this engine's hooks in the loop (`Hooks`, one of its `features`) ------------------------------------
+    t0 = 0.0
+
+    def _plan_export(self, out: SchedulerOutput) -> None:
+        """The prompts whose last chunk is computed this step export their KV: a hook after each layer."""
         done = [item.seq for item in out.scheduled if item.sample and item.seq.is_prefill]
         self.exporting = [(s, job, slots_of(s.block_table, self.config.block_size, job.num_skip_tokens, s.num_prompt_tokens))
                           for s in done for job in [self.jobs[s.request_id]]]
         self.layer_times = []
         self.model_runner.kv_hook = self._on_layer if self.exporting else None
-        t0 = time.perf_counter()
-        try:
-            super()._execute(out)
-        finally:
-            self.model_runner.kv_hook = None
+        self.t0 = time.perf_counter()
+
+    def _send_firsts(self, now: float) -> None:
+        """After the step: retire the finished prompts at once and tell the driver their first tokens."""
+        self.model_runner.kv_hook = None
         t1 = time.perf_counter()
-        self._finished_requests(self.scheduler.retire())   # prompts done: their blocks go back now, not next step
+        self.retire_finished()   # prompts done: their blocks go back now, not next step
         for job, layer, payload in self.held:   # whole-cache mode: everything is sent now
             self.outbox.put((job, layer, payload, DATA))
         self.held = []
         for seq, job, _ in self.exporting:
             self.pipe.send(("first", job.index, {
                 "token": seq.token_ids[-1], "generator_state": seq.generator.get_state(),
-                "prefill_start": seq.first_scheduled_time, "forward_start": t0, "prefill_end": t1,
+                "prefill_start": seq.first_scheduled_time, "forward_start": self.t0, "prefill_end": t1,
                 "layer_done": list(self.layer_times), "num_prompt_tokens": seq.num_prompt_tokens}))
             del self.jobs[seq.request_id]
         self.exporting = []
@@ -183,8 +201,7 @@ class PrefillEngine(ShippingEngine):
     def abort_job(self, index: int) -> None:
         for rid, job in list(self.jobs.items()):
             if job.index == index:
-                for seq in self.samples.pop(rid, []):
-                    self.scheduler.abort(seq)
+                self.abort_request(rid)
                 del self.jobs[rid]
 
 
@@ -247,8 +264,7 @@ class DecodeEngine(ShippingEngine):
             self.index_of.pop(inc.seq.request_id, None)
         for rid, i in list(self.index_of.items()):
             if i == index:
-                for seq in self.samples.pop(rid, []):
-                    self.scheduler.abort(seq)
+                self.abort_request(rid)
                 del self.index_of[rid]
         self.waiting_reservations = [j for j in self.waiting_reservations if j.index != index]
 

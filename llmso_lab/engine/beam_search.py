@@ -119,7 +119,7 @@ class BeamSearch:
         """A beam's next-token log-probs wait for the rest of its group (`_step_group`): not sampled."""
         taken = {}
         for item, r, n in rows:
-            group = item.seq.beam
+            group = item.seq.group
             if group is not None and item.sample:
                 group.pending[item.seq.seq_id] = logits[r].float().cpu().log_softmax(-1)
                 self.touched[group.request_id] = group
@@ -164,11 +164,9 @@ class BeamSearch:
         engine, config = self.engine, self.engine.config
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if config.batching != "continuous":
-            raise ValueError("beam_search needs batching='continuous' (beams fork and are pruned step by step)")
-        if config.eviction is not None:
-            raise ValueError("beam_search cannot be combined with kv_eviction (beams share blocks that one of them would "
-                             "evict); make an LLM without kv_eviction")
+        for feature in engine.features:   # what cannot fork and prune (lock-step batches, KV eviction) says so
+            if hasattr(feature, "check_search"):
+                feature.check_search()
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
@@ -186,7 +184,7 @@ class BeamSearch:
         groups = []
         for ids, text in checked:
             group = BeamSearchGroup("", len(ids), params, engine.eos_token_ids)
-            group.request_id = engine.add_checked(ids, text, sp, 0, None, beam=group)
+            group.request_id = engine.add_checked(ids, text, sp, 0, None, group=group)
             group.beams, group.scores = list(engine.samples[group.request_id]), [0.0]
             self.groups[group.request_id] = group
             groups.append(group)

@@ -16,12 +16,13 @@ from llmso_lab.engine.kv_cache import kivi_window_blocks
 from llmso_lab.engine.cache_sizing import (check_model_config, kv_cache_bytes_per_block, kv_cache_fixed_bytes,
                                            sliding_windows)
 from llmso_lab.kv.quant import KV_FORMATS
-from llmso_lab.kv.block_manager import PREFIX_CACHING_ALGOS, cdiv
+from llmso_lab.kv.block_manager import cdiv
 from llmso_lab.kv.streaming import StreamingEviction
 from llmso_lab.policies import POLICIES
 from llmso_lab.spec.config import SpeculativeConfig
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
+PREFIX_CACHING_ALGOS = ("hash", "radix")   # chained block hashes (vLLM, the core) | token radix tree (`kv.radix_cache`)
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}   # and "auto"
 

@@ -1,9 +1,17 @@
-"""Where the engine's features are registered: the core (`llm`, `scheduler`, `model_runner`, `sequence`,
+"""Where the engine's features are registered: the core (`core`, `scheduler`, `model_runner`, `sequence`,
 `kv.block_manager`) names none of them; each lives in its own module and is looked up here.
 
-- `attention_kind(model_config)`: the attention a model family needs beside Llama's (`model_runner.LlamaAttentionKind`);
+Strategies, picked once from the config:
+- `make_scheduler`: continuous (the core) or lock-step batches (`engine.lockstep`, static / dynamic batching); the
+  block manager with a hash-chain prefix cache (the core) or a radix tree (`kv.radix_cache`); preemption by
+  recompute (the core) or swap (`engine.swap`);
+- `model_runner`: one `ModelRunner`, or the tensor-parallel executor (`parallel.tensor`);
+- `attention_kind(model_config)`: the attention a model family needs beside Llama's (MLA: `engine.mla`);
 - `matmul_kernel(config, dtype, device)`: what the runner turns each weight matrix into;
 - the KV stores (plain, latent, quantized, KIVI) are picked in `engine.kv_cache.make_kv_store`.
+Features with hooks in the loop (`engine_features`): beam search (`engine.beam_search`), speculative decoding
+(`spec.engine`), KV eviction (`kv.streaming`), and the request checks of lock-step batching. Which of all these
+combine: `engine.compat`. Adding a feature: its module, plus one line here.
 """
 from __future__ import annotations
 
@@ -45,14 +53,43 @@ def model_runner(model, config):
     return ModelRunner(model, config)
 
 
+def make_scheduler(config, eos_token_ids, clock):
+    """The scheduler for `config`, with its block manager and preemption strategy."""
+    from llmso_lab.engine.scheduler import Scheduler
+    from llmso_lab.kv.block_manager import BlockManager
+    cls, bm_cls = Scheduler, BlockManager
+    if config.batching != "continuous":
+        from llmso_lab.engine.lockstep import LockstepScheduler
+        cls = LockstepScheduler
+    if config.enable_prefix_caching and config.prefix_caching_algo == "radix":
+        from llmso_lab.kv.radix_cache import RadixBlockManager
+        bm_cls = RadixBlockManager
+    bm = bm_cls(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+    preemption = None
+    if config.preemption_mode == "swap":
+        from llmso_lab.engine.swap import SwapPreemption
+        preemption = SwapPreemption(bm, config.swap_space_blocks)
+    return cls(config, eos_token_ids, clock, block_manager=bm, preemption=preemption)
+
+
+# Reported by `LLM.stats()` whatever the config (vLLM's dashboards expect them), unless a feature reports them.
+ALWAYS_REPORTED = {"num_preemptions_swap": 0, "kv_evicted_blocks": 0}
+
+
 def engine_features(engine) -> list:
     """The features whose hooks the engine's loop calls (`LLM._step`), for `engine.config`. A feature has a `name`
     (its `EngineConfig` field or API), `stats()`, and any of: `on_retire(seqs)`, `after_schedule(out)`,
     `on_block_copies(mapping)`, `take_logits(rows, logits, hidden)`, `after_sample(out, sampled)`,
-    `after_update(now)`."""
+    `after_update(now)`, `check_request(params)` (refuse a request it cannot serve), `check_search()`."""
     from llmso_lab.engine.beam_search import BeamSearch
-    found = [BeamSearch(engine)]
-    if engine.config.spec is not None:   # speculative decoding (lecture 2-1)
+    c, found = engine.config, [BeamSearch(engine)]
+    if c.batching != "continuous":   # static / dynamic batching (lecture 1-1)
+        from llmso_lab.engine.lockstep import LockstepBatching
+        found.append(LockstepBatching(engine))
+    if c.eviction is not None:   # StreamingLLM in the paged cache (lecture 2-4)
+        from llmso_lab.kv.streaming import StreamingKVEviction
+        found.append(StreamingKVEviction(engine))
+    if c.spec is not None:   # speculative decoding (lecture 2-1)
         from llmso_lab.spec.engine import SpeculativeDecoding
         found.append(SpeculativeDecoding(engine))
     return found

@@ -1,35 +1,34 @@
-"""LLM: the engine's front door (vLLM's offline API) and the four-step `step()` loop."""
+"""LLM: the engine's front door (vLLM's offline API), built on the core loop `engine.core.LLMEngine`."""
 from __future__ import annotations
 
-import time
-from typing import Callable
+from llmso_lab.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from llmso_lab.engine.core import LLMEngine, Prompt, _eos_token_ids, _resolve_model, as_batch, prompt_token_ids
 
-import torch
-
-from llmso_lab.engine import features
-from llmso_lab.engine.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
-from llmso_lab.engine.config import EngineConfig
-from llmso_lab.engine.metrics import StepTrace
-from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
-from llmso_lab.engine.sampler import Sampler, sample_token
-from llmso_lab.engine.sampling_params import SamplingParams
-from llmso_lab.engine.scheduler import Scheduler, SchedulerOutput
-from llmso_lab.engine.sequence import Sequence
-from llmso_lab.workloads import RequestMetrics
-
-Prompt = str | dict | list[int]
+__all__ = ["LLM", "as_batch", "prompt_token_ids", "_resolve_model", "_eos_token_ids"]
 
 
-class LLM:
+class LLM(LLMEngine):
     """A small serving engine: continuous batching over a paged KV cache, run on a HF Llama-family model.
 
     `LLM(model, tokenizer=None, **engine_args)`: `model` is a registry name ("smollm2-135m", "tiny-llama") or a
     Hugging Face PreTrainedModel; `engine_args` are `EngineConfig`'s fields, vLLM's names (`block_size`,
-    `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, `dtype`, `quantization`, `kv_cache_dtype`,
-    `speculative_config`, `tensor_parallel_size`, ...; see `engine.config`); `clock` replaces `time.perf_counter`.
-    The loop is `step()`: retire, count free blocks, schedule, run one forward and sample. Each feature lives in
-    its own module with its lecture notes (`engine.features` lists them). `dtype` defaults to "float32" (vLLM's is
-    "auto") because the labs compare the engine with Hugging Face fp32 token for token.
+    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `enable_prefix_caching`, `enable_chunked_prefill`,
+    `scheduling_policy`, `preemption_mode`, `dtype`, `quantization`, `kv_cache_dtype`, `speculative_config`,
+    `tensor_parallel_size`, ...: `engine.config`); `clock` replaces `time.perf_counter`. `num_kv_blocks=None` sizes
+    the cache from `kv_cache_memory_bytes` (capped at what `max_num_seqs` sequences of `max_model_len` can use).
+
+    The loop (`step()`, `engine.core`): retire, count free blocks, schedule (`engine.scheduler`), run one forward
+    (`engine.model_runner`) and sample. Each feature lives in its own module with its lecture notes, registered in
+    `engine.features`: static / dynamic batching (`engine.lockstep`), preemption by swap (`engine.swap`), the
+    radix prefix cache (`kv.radix_cache`), beam search (`engine.beam_search`), speculative decoding (`spec.engine`),
+    tensor parallelism (`parallel.tensor`), MLA (`engine.mla`), weight-only quantization (`quant.weight_only`),
+    KV-cache quantization and KIVI (`engine.kv_cache`, `kv.quant`), StreamingLLM eviction (`kv.streaming`). Which
+    of them combine: `engine.compat.matrix()`.
+
+    `dtype` (vLLM's `--dtype`): "float32" (the default here; vLLM's is "auto", but the labs compare the engine with
+    Hugging Face fp32 token for token), "bfloat16", "float16" or "auto": bf16 where the hardware multiplies it
+    natively (`llm.dtype_reason` says why), with weights prepacked for oneDNN where that measured faster
+    (`engine.ops.OneDNNLinear`; `llmso-lab bench precision` reports which kernel ran).
 
     Sharing (lecture 1-2): `SamplingParams(n=N)` computes the prompt once and forks N samples that share its KV
     blocks (copy-on-write; `share_kv_blocks=False` copies every block at the fork instead).
@@ -39,340 +38,9 @@ class LLM:
     can, at near-ties, because the batch's shape changes the order of floating-point sums (`sampler`).
     """
 
-    def __init__(self, model, tokenizer=None, *, clock: Callable[[], float] = time.perf_counter, **engine_args) -> None:
-        self.config = c = EngineConfig.from_engine_args(engine_args)
-        self.model, self.tokenizer = _resolve_model(model, tokenizer)
-        c.resolve(self.model.config, self.model.get_input_embeddings().weight.device)
-        self.max_model_len, self.seed, self.clock = c.max_model_len, c.seed, clock
-        self.dtype, self.dtype_reason = c.torch_dtype, c.dtype_reason
-        self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        self.scheduler = Scheduler(c, self.eos_token_ids, clock)
-        self.block_manager = self.scheduler.block_manager
-        self.model_runner = features.model_runner(self.model, c)
-        self.block_manager.events = self.model_runner.block_listener()
-        self.sampler = Sampler()
-        self.features = features.engine_features(self)   # the loop's hooks: each feature's module
-        self.num_requests = self.num_seqs = self.num_steps = self.num_finished = 0
-        self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
-        self.busy_time_s, self.peak_blocks_used = 0.0, 0
-        self.undelivered: list[RequestOutput] = []   # finished inside generate() but not its own: for the next step()
-        self.samples: dict[str, list[Sequence]] = {}   # request id -> its sequences (n > 1: one per sample)
-
-    def feature(self, name: str):
-        """The active feature registered as `name` (its `EngineConfig` field, e.g. "speculative_config"), or None."""
-        return next((f for f in self.features if f.name == name), None)
-
-    # ---- requests ----------------------------------------------------------------------------
-    def validate(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[list[int], str | None]:
-        """Check one request; return its prompt token ids and text. Raises ValueError, changes nothing."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.verify()
-        if params.n > 1 and self.config.batching != "continuous":
-            raise ValueError(f"n={params.n} needs batching='continuous' (a static batch cannot grow by forking)")
-        if params.n > 1 and self.config.eviction is not None:
-            raise ValueError(f"n={params.n} cannot be combined with kv_eviction (samples share blocks that one of them "
-                             "would evict); use n=1")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        ids, text = prompt_token_ids(prompt, self.tokenizer)
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}")
-        vocab = self.model_runner.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        return ids, text
-
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> str:
-        """Queue one request; returns its request id. `arrival_time` (engine clock) may lie in the future:
-        the request stays invisible to the scheduler until then (replaying a workload)."""
-        params = sampling_params or SamplingParams()
-        ids, text = self.validate(prompt, params, priority)
-        return self.add_checked(ids, text, params, priority, arrival_time)
-
-    def add_checked(self, ids: list[int], text: str | None, params: SamplingParams, priority: int, arrival_time: float | None,
-             beam: BeamSearchGroup | None = None) -> str:
-        index = self.num_requests
-        self.num_requests += 1
-        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + index) % (1 << 63)
-        now = self.clock()
-        seq = Sequence(self.new_seq_id(), str(index), ids, params, now if arrival_time is None else arrival_time,
-                       priority, prompt=text, generator=torch.Generator().manual_seed(seed), seed=seed,
-                       num_pending_forks=params.n - 1, beam=beam)
-        self.scheduler.add(seq)
-        self.samples[seq.request_id] = [seq]
-        self.num_prompt_tokens += len(ids)
-        return seq.request_id
-
-    def new_seq_id(self) -> int:
-        self.num_seqs += 1
-        return self.num_seqs - 1
-
-    def fork(self, parent: Sequence, sample_index: int, seed: int) -> Sequence:
-        """A new sequence continuing `parent` (same request), sharing its KV blocks copy-on-write."""
-        child = Sequence(self.new_seq_id(), parent.request_id, parent.prompt_token_ids, parent.sampling_params,
-                         parent.arrival_time, parent.priority, prompt=parent.prompt,
-                         generator=torch.Generator().manual_seed(seed % (1 << 63)), seed=seed,
-                         sample_index=sample_index, beam=parent.beam)
-        self.model_runner.copy_blocks(self.scheduler.fork(parent, child))
-        self.samples[parent.request_id].append(child)
-        return child
-
-    def has_unfinished_requests(self) -> bool:
-        """Is a request still queued or running, or finished but its output not yet returned by `step()`?"""
-        return self.scheduler.has_unfinished() or bool(self.undelivered)
-
-    # ---- the loop ----------------------------------------------------------------------------
-    def step(self) -> tuple[list[RequestOutput], StepTrace]:
-        """One scheduler iteration: the lecture's four steps. Returns the requests retired in step 1
-        (after any that finished inside an earlier `generate` call; see there) and the step's trace."""
-        earlier, self.undelivered = self.undelivered, []
-        finished, trace = self._step()
-        return earlier + finished, trace
-
-    def _step(self) -> tuple[list[RequestOutput], StepTrace]:
-        trace = StepTrace(step=self.num_steps, start_time=self.clock())
-        # 1. retire sequences that hit EOS / a stop id / max_tokens last step; their KV blocks go back
-        retired = self.scheduler.retire()
-        self._hook("on_retire", retired)
-        # 2. count free KV blocks
-        trace.num_free_blocks_before = self.block_manager.num_free_blocks
-        # 3. admit under the token budget (decodes first, then prefill chunks), preempting if blocks run out
-        out = self.scheduler.schedule()
-        self._hook("after_schedule", out)
-        self._trace_schedule(trace, out)
-        # 4. one forward over the flattened batch; sample; append
-        self._execute(out)
-        self.num_steps += 1
-        done = self._finished_requests(retired)
-        self.num_finished += len(done)
-        self.peak_blocks_used = max(self.peak_blocks_used, trace.num_blocks_used)
-        trace.retired = [s.name for s in retired]
-        trace.wall_time_s = self.clock() - trace.start_time
-        self.busy_time_s += trace.wall_time_s
-        return done, trace
-
-    def _hook(self, name: str, *args) -> None:
-        for feature in self.features:
-            hook = getattr(feature, name, None)
-            if hook is not None:
-                hook(*args)
-
-    def _execute(self, out: SchedulerOutput) -> None:
-        """Step 4: the block moves, one forward over all scheduled tokens, sampling, appending."""
-        self.model_runner.move_blocks(out)   # before the forward overwrites any block
-        self._hook("on_block_copies", out.blocks_to_copy)
-        if not out.scheduled:
-            return
-        logits = self.model_runner.execute(out)              # [rows, V]: sampling sequences (+ idle rows)
-        rows, r = [], 0   # (item, its first logits row, its number of rows) for every item with logits
-        for item in out.scheduled:
-            n = (1 + len(item.lookahead_token_ids)) if item.sample else int(item.idle)
-            if n:
-                rows.append((item, r, n))
-                r += n
-        # A feature may take an item's logits: return the tokens it emits (a list), or None for "handled, nothing
-        # to append now" (e.g. a sequence whose next token is chosen with others later).
-        taken: dict[int, list[int] | None] = {}
-        for feature in self.features:
-            if hasattr(feature, "take_logits"):
-                taken.update(feature.take_logits(rows, logits, self.model_runner.last_hidden))
-        sampling = [(r, item.seq) for item, r, n in rows if item.sample and item.seq.seq_id not in taken]
-        if len(sampling) < len(logits):
-            logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
-        seqs = [seq for _, seq in sampling]
-        tokens = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs]) if seqs else []
-        sampled: dict[int, int | list[int]] = {s.seq_id: t for s, t in zip(seqs, tokens)}
-        sampled.update({seq_id: t for seq_id, t in taken.items() if t is not None})
-        self._hook("after_sample", out, sampled)
-        now = self.clock()
-        before = {item.seq.seq_id: item.seq.num_tokens for item in out.scheduled}
-        self.scheduler.update(out, sampled, now)
-        self.model_runner.after_step(out)                     # the KV store settles (e.g. quantizes what aged)
-        self.num_generated_tokens += sum(item.seq.num_tokens - before[item.seq.seq_id] for item in out.scheduled)
-        for r, seq in enumerate(seqs):   # n > 1: the request's first token is sampled; fork the other samples
-            for i in range(1, seq.num_pending_forks + 1):
-                child = self.fork(seq, i, seq.seed + i)
-                child.token_ids.pop()   # the parent's first token: the child draws its own from the same logits
-                self.scheduler.append_token(child, sample_token(logits[r].cpu(), seq.sampling_params, child.generator), now)
-                self.num_generated_tokens += 1
-            seq.num_pending_forks = 0
-        self._hook("after_update", now)
-
-    def _trace_schedule(self, trace: StepTrace, out: SchedulerOutput) -> None:
-        for item in out.scheduled:
-            rid = item.seq.name
-            trace.num_tokens[rid] = item.num_query_tokens
-            if item.idle:
-                trace.idle.append(rid)
-            elif item.seq.is_prefill:
-                trace.prefill[rid] = item.num_new_tokens
-            else:
-                trace.decode.append(rid)
-            trace.num_padded_tokens += item.num_query_tokens - (0 if item.idle else item.num_new_tokens)
-            self.num_computed_tokens += 0 if item.idle else item.num_new_tokens
-        trace.num_batched_tokens = out.num_batched_tokens
-        self.num_padded_tokens += trace.num_padded_tokens
-        trace.preempted = [s.name for s in out.preempted]
-        trace.swapped_in = [s.name for s in out.swapped_in]
-        trace.num_blocks_used, trace.num_blocks_free = self.block_manager.num_used_blocks, self.block_manager.num_free_blocks
-        sch = self.scheduler
-        trace.num_running, trace.num_waiting, trace.num_swapped = len(sch.running), len(sch.waiting), len(sch.swapped)
-
-    def _finished_requests(self, retired: list[Sequence]) -> list[RequestOutput]:
-        """The requests whose every sample has now been retired (n > 1: all n of them)."""
-        done = []
-        for seq in retired:
-            samples = self.samples.get(seq.request_id)
-            if samples is not None and all(s.finish_time is not None and not s.num_pending_forks for s in samples):
-                del self.samples[seq.request_id]
-                done.append(self._output(sorted(samples, key=lambda s: s.sample_index)))
-        return done
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def _output(self, samples: list[Sequence]) -> RequestOutput:
-        first = samples[0]
-        times = sorted(t for s in samples for t in s.token_times)
-        metrics = RequestMetrics(first.request_id, first.arrival_time, times[0] if times else None,
-                                 max(s.finish_time for s in samples), first.num_prompt_tokens,
-                                 sum(s.num_output_tokens for s in samples), sum(s.num_preemptions for s in samples),
-                                 first.first_scheduled_time, times)
-        outputs = [CompletionOutput(s.sample_index, self.decode(s.output_token_ids), s.output_token_ids, s.finish_reason)
-                   for s in samples]
-        return RequestOutput(first.request_id, first.prompt, list(first.prompt_token_ids), outputs, True, metrics,
-                             first.num_cached_tokens)
-
-    # ---- beam search (`engine.beam_search`) -------------------------------------------------------
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:
-        """Beam search over each prompt (vLLM's `LLM.beam_search`), all prompts batched together. Returns, per
-        prompt, its `beam_width` best sequences, best first (`engine.beam_search.BeamSearch.run`)."""
+        """Beam search over each prompt (vLLM's `LLM.beam_search`), all prompts batched together: beams fork by
+        copy-on-write and free their blocks when pruned; Hugging Face's scoring (`engine.beam_search`). Returns, per
+        prompt, its `beam_width` best sequences, best first."""
         return self.feature("beam_search").run(prompts, params, use_tqdm)
-
-    # ---- offline API -------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 priority: list[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run `prompts` to completion; returns their outputs, in prompt order. All inputs are checked before any
-        is queued. Requests queued earlier with `add_request` are served alongside; those that finish here are
-        not in the result (vLLM's `generate` would mix them in) but kept: the next `step()` returns them."""
-        prompts, params = as_batch(prompts, sampling_params)
-        n = len(prompts)
-        priority = [0] * n if priority is None else list(priority)
-        if len(params) != n or len(priority) != n:
-            raise ValueError(f"got {n} prompts, {len(params)} sampling_params and {len(priority)} priorities; give one each")
-        checked = [self.validate(p, sp, pr) for p, sp, pr in zip(prompts, params, priority)]
-        ids = [self.add_checked(tok, text, sp, pr, None) for (tok, text), sp, pr in zip(checked, params, priority)]
-        pending, results = set(ids), {}
-        from tqdm.auto import tqdm
-        with tqdm(total=n, desc="generate", disable=not use_tqdm) as bar:
-            def collect(finished: list[RequestOutput]) -> None:
-                for o in finished:
-                    if o.request_id in pending:
-                        pending.discard(o.request_id)
-                        results[o.request_id] = o
-                        bar.update(1)
-                    else:
-                        self.undelivered.append(o)
-            self.run_until(lambda: not pending, collect)
-        return [results[i] for i in ids]
-
-    def run_until(self, done: Callable[[], bool], collect: Callable[[list[RequestOutput]], None],
-                  what: str = "the scheduler") -> None:
-        """Step until `done()`, handing each step's finished requests to `collect`. A watchdog raises if no token is
-        computed and nothing finishes for 30 s (plus the batch window a waiting batch may be held for)."""
-        last_progress = self.clock()
-        while not done():
-            finished, trace = self._step()
-            collect(finished)
-            if trace.num_batched_tokens or finished:
-                last_progress = self.clock()
-            elif self.clock() - last_progress > 30 + self.config.batch_window_s:
-                raise RuntimeError(f"{what} made no progress for 30 s; this is a bug, please report it")
-            else:   # a batch is being held open (its window has not closed yet)
-                before = self.clock()
-                time.sleep(0.001)
-                if self.clock() == before:
-                    raise RuntimeError(
-                        f"generate is waiting for the dynamic batch window (batch_window_s="
-                        f"{self.config.batch_window_s}) to close, but the engine clock did not advance during a "
-                        "1 ms sleep: pass a clock that advances, or call step() yourself and move the clock")
-
-    def stats(self) -> dict:
-        bm, sch = self.block_manager, self.scheduler
-        busy = self.busy_time_s
-        return {
-            "num_requests": self.num_requests, "num_requests_finished": self.num_finished, "num_steps": self.num_steps,
-            "num_preemptions_total": sch.num_preemptions_total, "num_preemptions_recompute": sch.num_recomputes,
-            "num_preemptions_swap": sch.num_swaps, "num_cow_copies": bm.num_cow_copies,
-            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "prefix_cache_queried_tokens": bm.num_queried_tokens,
-            "prefix_cache_hit_tokens": bm.num_hit_tokens, "prefix_cache_evictions": bm.num_evictions,
-            "kv_evicted_blocks": bm.num_evicted_blocks,
-            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks, "kv_blocks_free": bm.num_free_blocks,
-            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks, "kv_cache_usage_peak": self.peak_blocks_used / bm.num_blocks,
-            "num_prompt_tokens": self.num_prompt_tokens, "num_generated_tokens": self.num_generated_tokens,
-            "num_computed_tokens": self.num_computed_tokens, "num_padded_tokens": self.num_padded_tokens,
-            "busy_time_s": busy, "throughput_tokens_per_s": self.num_generated_tokens / busy if busy else 0.0,
-            **self.model_runner.stats(), **{k: v for f in self.features for k, v in f.stats().items()},
-        }
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel rank processes (no-op for one process). Also runs when the LLM is garbage
-        collected or at interpreter exit, and on leaving `with LLM(...) as llm:`."""
-        self.model_runner.shutdown()
-
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-
-def prompt_token_ids(prompt, tokenizer) -> tuple[list[int], str | None]:
-    """(token ids, text or None) of one prompt: a string (needs `tokenizer`), a list of token ids, or
-    {'prompt_token_ids': [...], 'prompt': optional text}. Raises ValueError for anything else."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass tokenizer=... or {'prompt_token_ids': [...]}")
-        return list(tokenizer.encode(prompt)), prompt
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        return list(prompt), None
-    raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
-
-
-def as_batch(prompts, sampling_params) -> tuple[list, list]:
-    """`generate`'s inputs as two lists: one prompt (text, token ids or a dict) becomes a list of one, and one
-    SamplingParams (or None: the defaults) is repeated for every prompt. Raises ValueError for what is neither."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-    prompts = list(prompts)
-    params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-    return prompts, params
-
-
-def _resolve_model(model, tokenizer):
-    if isinstance(model, str):
-        from llmso_lab.models import load_model
-
-        loaded, tok = load_model(model)
-        return loaded, tokenizer if tokenizer is not None else tok
-    if not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
-        raise ValueError(f"model must be a registry name or a Hugging Face PreTrainedModel, got {type(model).__name__}")
-    return model.eval(), tokenizer
-
-
-def _eos_token_ids(model, tokenizer) -> frozenset[int]:
-    """EOS ids as Hugging Face `generate` uses them: generation_config, else config, else the tokenizer."""
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            return frozenset([eos] if isinstance(eos, int) else eos)
-    return frozenset()

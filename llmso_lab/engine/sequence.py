@@ -4,21 +4,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from llmso_lab.batching import is_decode
 from llmso_lab.engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from llmso_lab.engine.beam_search import BeamSearchGroup
-
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"    # in the waiting queue: new, or preempted by recompute (its KV was dropped)
     RUNNING = "running"    # holds KV blocks and is scheduled step by step
-    SWAPPED = "swapped"    # preempted by swap: its KV blocks sit in the CPU swap pool
+    PREEMPTED = "preempted"  # preempted with its KV kept off the device (a preemption strategy's); comes back as is
     FINISHED = "finished"  # hit EOS / a stop id / max_tokens / max_model_len; retired at the next step
 
 
@@ -39,17 +34,15 @@ class Sequence:
     prompt: str | None = None
     generator: torch.Generator | None = None
     seed: int = 0                      # of `generator`; sample i of an n > 1 request draws with seed + i
-    sample_index: int = 0              # which of the request's n samples (or which beam) this is
+    sample_index: int = 0              # which of the request's n samples (or which member of its group) this is
     num_pending_forks: int = 0         # n > 1: samples still to fork from this one when it samples its first token
-    beam: BeamSearchGroup | None = None   # beam search: the group this beam belongs to
+    group: object | None = None        # a group forked and pruned together (a search), which takes its logits
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0       # tokens whose K/V are in the cache
     num_cached_tokens: int = 0         # of the prompt, found by prefix caching at the last admission
-    block_table: list[int | None] = field(default_factory=list)   # KV block ids (None: in the CPU pool, swap_table)
-    swap_table: dict[int, int] = field(default_factory=dict)      # while SWAPPED: block index -> CPU swap block
+    block_table: list[int | None] = field(default_factory=list)   # KV block ids (None: kept off the device)
     prefix_ids: list[int | None] = field(default_factory=list)   # prefix cache: id of the prefix each full block ends
-    num_inserted_tokens: int = 0       # radix prefix cache: leading tokens this sequence has put in the tree
     num_dropped_blocks: int = 0        # blocks removed from the table (their KV is gone); the cache holds
                                        # num_computed_tokens - num_dropped_blocks * block_size of its tokens
     finish_reason: str | None = None   # "stop" | "length"
@@ -71,7 +64,7 @@ class Sequence:
 
     @property
     def name(self) -> str:
-        """The request id, with the sample / beam index after a '#' for the second and later ones."""
+        """The request id, with the sample index after a '#' for the second and later ones."""
         return self.request_id if self.sample_index == 0 else f"{self.request_id}#{self.sample_index}"
 
     @property

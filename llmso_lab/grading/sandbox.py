@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import glob
 import json
 import os
 import resource   # imported before the supervisor's root changes: it is an extension module
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -144,8 +146,24 @@ def runnable_by_others(executable: str) -> bool:
     return _others_may(os.path.dirname(path), 0o001) and _others_may(os.path.realpath(path), 0o001)
 
 
+def remove_stale_job_dirs(gid: int) -> list[str]:
+    """Delete job folders left in the temp dir by a grader that was killed (no cleanup ran) and readable by the group
+    `gid`. Called when a job takes the slot of that gid: the slot's lock is held, so no live job owns such a folder,
+    and a new job of the same gid must not find another job's library copy or answers there."""
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "llmso-grade-*")):
+        try:
+            if os.stat(path, follow_symlinks=False).st_gid == gid:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 class Slot:
-    """A sandbox uid held for one job (an flock, released when the job ends or the grader dies)."""
+    """A sandbox uid held for one job (an flock, released when the job ends or the grader dies). Taking it removes
+    the stale folders a killed grader left for that uid's group (`remove_stale_job_dirs`)."""
 
     def __enter__(self) -> "Slot":
         os.makedirs(SLOT_DIR, mode=0o700, exist_ok=True)
@@ -158,6 +176,7 @@ class Slot:
                     os.close(fd)
                     continue
                 self.fd, self.uid = fd, UID_BASE + i
+                remove_stale_job_dirs(self.uid)
                 return self
             time.sleep(0.1)
         raise RuntimeError(f"all {NUM_SLOTS} sandbox slots stayed busy for a minute")

@@ -1,4 +1,4 @@
-"""Paged KV block manager: ref-counted blocks, an LRU free list, exact prefix caching, CPU swap.
+"""Paged KV block manager: ref-counted blocks, an LRU free list, exact prefix caching.
 
 A block holds the K/V of `block_size` consecutive tokens of one sequence; a sequence's `block_table` lists
 its block ids in order, so token position p lives in slot `block_table[p // block_size] * block_size +
@@ -7,12 +7,11 @@ p % block_size` of the paged cache `[num_blocks, block_size, Hkv, D]`. vLLM's ve
 - `can_allocate` / `allocate`: admit a waiting sequence (reusing cached prefix blocks when possible);
 - `may_append` / `append_slot`: grow a running sequence by the tokens it computes this step;
 - `free`: return a finished or preempted sequence's blocks;
-- `evict_blocks`: drop blocks from the middle of a running sequence's table (StreamingLLM, `kv.streaming`);
-- `fork`: a new sequence (another sample of a request, a new beam) shares its parent's blocks; a write into a
-  block that someone else still holds first copies it (copy-on-write; `append_slot` returns the copies);
-- `swap_out` / `swap_in`: move a preempted sequence's blocks to the CPU swap pool and back. Swap composes
-  with prefix caching: blocks shared with other sequences stay on the device (still referenced: copying them
-  would free nothing), and at swap-in a block still in the prefix cache is shared again instead of copied.
+- `fork`: a new sequence (another sample of a request) shares its parent's blocks; a write into a block that
+  someone else still holds first copies it (copy-on-write; `append_slot` returns the copies);
+- `trim`: free the blocks past a sequence's computed tokens (slots reserved for lookahead tokens not kept).
+A `None` in a block table marks a block kept off the device (by a preemption strategy); `listener`
+hears when a block's last holder lets go and when a free block is reused (a KV store with per-block state).
 
 Prefix caching: once a FULL block's K/V is computed, it is cached under the name of the prefix before it
 (`parent_id`, a number given to each cached prefix and never reused) and its own token ids. A later sequence
@@ -23,12 +22,8 @@ A freed block keeps its key and stays in the free list, still reusable on a hit,
 (LRU eviction: the free list is ordered least recently freed first, and blocks without a key are put at its
 front so they go first).
 
-`prefix_caching_algo="radix"` caches prefixes in a radix tree over tokens instead (`llmso_lab.kv.radix`, SGLang's
-RadixAttention): a match may end inside a block; that block's cached tokens are then copied into a fresh block
-(copy-on-write at token granularity) instead of recomputed. Sequences insert their computed tokens when a block
-fills and when they are freed (the partly filled last block too). Eviction is the same LRU over free blocks;
-a sequence frees its last blocks first, so the tree loses its leaves first, and reusing a block cuts the tree
-there (the tokens after it on that path are useless without it).
+Other prefix caches (one at token granularity, `engine.features` registers it) subclass this one by
+overriding `_is_cached`, `_uncache`, `match_prefix`, `cache_full_blocks` and `free`.
 """
 from __future__ import annotations
 
@@ -36,8 +31,6 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence as Seq
-
-from llmso_lab.kv.radix import RadixTree
 
 if TYPE_CHECKING:
     from llmso_lab.engine.sequence import Sequence
@@ -82,9 +75,9 @@ def cached_prefix_tokens(token_ids: Seq[int], cached_keys: Iterable[int], block_
 
 
 def rollback_blocks(block_table: Seq[int], block_size: int, num_tokens: int) -> tuple[list[int], list[int]]:
-    """After a speculative step only the first `num_tokens` tokens of a sequence have valid K/V (its last token
-    and the accepted drafts; rejected drafts' slots are past them): the blocks to keep (those holding any of
-    them) and the blocks to free (only rejected drafts were written there), in table order."""
+    """After a step with lookahead slots only the first `num_tokens` tokens of a sequence have valid K/V (its last
+    token and the accepted guesses; rejected guesses' slots are past them): the blocks to keep (those holding any of
+    them) and the blocks to free (only rejected guesses were written there), in table order. (Lecture 2-1, Lab 07.)"""
     keep = cdiv(num_tokens, block_size)
     return list(block_table[:keep]), list(block_table[keep:])
 
@@ -101,35 +94,27 @@ class Block:
 
 @dataclass(slots=True)
 class PrefixMatch:
-    """What the prefix cache holds of a sequence's start: full blocks to share, and (radix) a block holding the
-    `num_tokens % block_size` cached tokens after them, to copy."""
+    """What the prefix cache holds of a sequence's start: full blocks to share, and (a cache at token granularity)
+    a block holding the `num_tokens % block_size` cached tokens after them, to copy."""
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
     partial_block: int | None = None
 
 
-PREFIX_CACHING_ALGOS = ("hash", "radix")
-
-
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_swap_blocks: int = 0, prefix_caching_algo: str = "hash") -> None:
-        assert num_blocks > 0 and block_size > 0 and prefix_caching_algo in PREFIX_CACHING_ALGOS
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+        assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.radix = RadixTree(block_size) if enable_prefix_caching and prefix_caching_algo == "radix" else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = reuse first
         self.hash_to_block_id: dict[int, int] = {}
         self.next_prefix_id = itertools.count(ROOT + 1)
-        self.num_swap_blocks = num_swap_blocks
-        self.free_swap_ids: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.num_queried_tokens = 0    # prefix-cache statistics, in tokens, counted at admission
         self.num_hit_tokens = 0
         self.num_evictions = 0
         self.num_cow_copies = 0        # blocks copied because a sequence wrote into a shared one
-        self.events = None   # told released(block, cached) / reused(block): a KIVI KV cache (`engine.kv_cache`)
-        self.num_evicted_blocks = 0    # blocks dropped from running sequences (kv_eviction)
+        self.listener = None   # told released(block, cached) / reused(block): a KV store with per-block state
 
     # ---- counters ------------------------------------------------------------------------------
     @property
@@ -150,7 +135,7 @@ class BlockManager:
         return sum(1 for b in self.free_block_ids if self._is_cached(b))
 
     def _is_cached(self, block_id: int) -> bool:
-        return self.blocks[block_id].hash is not None or (self.radix is not None and block_id in self.radix.holders)
+        return self.blocks[block_id].hash is not None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -161,19 +146,19 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed first
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"block {block_id} on the free list has ref_count {block.ref_count}"
-        if block.hash is not None:   # evict the prefix it cached; its prefix id is never given out again
-            del self.hash_to_block_id[block.hash]
-            block.hash, block.parent_id, block.token_ids, block.prefix_id = None, ROOT, (), None
-            self.num_evictions += 1
-        elif self.radix is not None and block_id in self.radix.holders:   # cut the tree where this block was
-            for other in self.radix.evict_block(block_id) - {block_id}:
-                if self.blocks[other].ref_count == 0:     # still free, but caches nothing now: reuse it first
-                    self.free_block_ids.move_to_end(other, last=False)
+        if self._is_cached(block_id):   # evict the prefix it cached
+            self._uncache(block_id)
             self.num_evictions += 1
         block.ref_count = 1
-        if self.events is not None:
-            self.events.reused(block_id)
+        if self.listener is not None:
+            self.listener.reused(block_id)
         return block_id
+
+    def _uncache(self, block_id: int) -> None:
+        """Forget the prefix a free block caches (it is being reused); its prefix id is never given out again."""
+        block = self.blocks[block_id]
+        del self.hash_to_block_id[block.hash]
+        block.hash, block.parent_id, block.token_ids, block.prefix_id = None, ROOT, (), None
 
     def _share(self, block_id: int) -> None:
         """One more holder of a cached block (it leaves the free list if nobody held it)."""
@@ -189,8 +174,8 @@ class BlockManager:
             self.free_block_ids[block_id] = None                      # most recently used end
             if not self._is_cached(block_id):                         # caches nothing: reuse it first
                 self.free_block_ids.move_to_end(block_id, last=False)
-            if self.events is not None:
-                self.events.released(block_id, self._is_cached(block_id))
+            if self.listener is not None:
+                self.listener.released(block_id, self._is_cached(block_id))
 
     def _lookup(self, parent_id: int, token_ids: tuple[int, ...]) -> int | None:
         """The cached block holding exactly `token_ids` after the prefix `parent_id`, or None."""
@@ -203,7 +188,7 @@ class BlockManager:
     def _cache_block(self, block_id: int, parent_id: int, token_ids: tuple[int, ...],
                      prefix_id: int | None = None) -> int | None:
         """Cache a full computed block (`token_ids` after prefix `parent_id`). Returns the id of the prefix it
-        ends: its own new one (or `prefix_id`, the name this very content had before: a swap-in), or that of an
+        ends: its own new one (or `prefix_id`, the name this very content had before it left the device), or that of an
         equal block already cached (this one then stays private), or None when another block holds its hash
         (a collision: the prefix goes unnamed, its children uncached)."""
         same = self._lookup(parent_id, token_ids)
@@ -223,7 +208,7 @@ class BlockManager:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _num_kv_tokens(self, seq: Sequence) -> int:
-        """Computed tokens of `seq` its block table covers: all of them, less the blocks dropped by `evict_blocks`."""
+        """Computed tokens of `seq` its block table covers: all of them, less the blocks dropped from its table."""
         return seq.num_computed_tokens - seq.num_dropped_blocks * self.block_size
 
     def _shared_in_write_range(self, seq: Sequence, num_new_tokens: int) -> list[int]:
@@ -257,12 +242,8 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """The cached start of `seq` (a lookup; changes nothing): at most `num_tokens - 1` tokens, as above."""
-        if self.radix is None:
-            hits = self.get_computed_blocks(seq)
-            return PrefixMatch(hits, len(hits) * self.block_size)
-        m = self.radix.match(seq.token_ids[:seq.num_tokens - 1])
-        blocks, full = self.radix.blocks_of(m), m.num_tokens // self.block_size
-        return PrefixMatch(blocks[:full], m.num_tokens, blocks[full] if m.num_tokens % self.block_size else None)
+        hits = self.get_computed_blocks(seq)
+        return PrefixMatch(hits, len(hits) * self.block_size)
 
     def _as_match(self, computed: PrefixMatch | Seq[int]) -> PrefixMatch:
         return computed if isinstance(computed, PrefixMatch) else PrefixMatch(list(computed), len(computed) * self.block_size)
@@ -278,22 +259,21 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, computed: PrefixMatch | Seq[int] = ()) -> list[tuple[int, int]]:
         """Give a waiting sequence its cached prefix and fresh blocks for `num_new_tokens` tokens. Returns the
-        (source, destination) block copies to do before the forward: a radix match's partly cached block."""
+        (source, destination) block copies to do before the forward: a match's partly cached block."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
         m = self._as_match(computed)
         assert self.can_allocate(seq, num_new_tokens, m)
         for block_id in m.blocks:
             self._share(block_id)
             seq.block_table.append(block_id)
-            if self.radix is None:
-                seq.prefix_ids.append(self.blocks[block_id].prefix_id)
+            seq.prefix_ids.append(self.blocks[block_id].prefix_id)
         copies = []
         if m.partial_block is not None:   # its first num_tokens % block_size tokens are ours: copy, then append
             self._share(m.partial_block)   # held while a fresh block is taken, so that cannot evict it
             seq.block_table.append(self._take_free_block())
             self._release(m.partial_block)
             copies.append((m.partial_block, seq.block_table[-1]))
-        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_inserted_tokens = m.num_tokens
+        seq.num_computed_tokens = seq.num_cached_tokens = m.num_tokens
         if self.enable_prefix_caching:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += seq.num_cached_tokens
@@ -321,33 +301,19 @@ class BlockManager:
         return copies
 
     def trim(self, seq: Sequence) -> None:
-        """Free the blocks past `seq`'s computed tokens (speculative decoding: blocks that only rejected draft
-        tokens were written to). They were taken for this step, so nothing else holds or caches them."""
+        """Free the blocks past `seq`'s computed tokens (reserved this step for lookahead tokens that were not kept).
+        They were taken for this step, so nothing else holds or caches them."""
         seq.block_table[:], freed = rollback_blocks(seq.block_table, self.block_size, seq.num_computed_tokens)
         for block_id in reversed(freed):
             assert self.blocks[block_id].ref_count == 1 and not self._is_cached(block_id), f"block {block_id} is shared"
             self._release(block_id)
-
-    def evict_blocks(self, seq: Sequence, first: int, count: int) -> None:
-        """Drop `count` blocks of `seq.block_table` from table index `first` on and return them (StreamingLLM: the
-        oldest blocks after the sinks). Their K/V is gone for good, so they must hold only computed tokens that
-        nothing caches: prefix caching is off under eviction (a later sequence could not share a table with a hole)."""
-        assert not self.enable_prefix_caching, "eviction and prefix caching do not mix"
-        end = first + count
-        assert 0 <= first and end * self.block_size <= self._num_kv_tokens(seq), \
-            f"seq {seq.seq_id}: blocks {first}..{end - 1} are not all computed"
-        for block_id in seq.block_table[first:end]:
-            self._release(block_id)
-        del seq.block_table[first:end]
-        seq.num_dropped_blocks += count
-        self.num_evicted_blocks += count
 
     def fork(self, parent: Sequence, child: Sequence, share: bool = True) -> list[tuple[int, int]]:
         """`child` (holding no blocks) continues from `parent`'s computed tokens. share=True: it holds the same
         blocks (ref_count += 1); a later write into a shared block copies it then (`append_slot`).
         share=False: every block is copied now (a system without sharing; needs free blocks, see `can_fork`).
         Returns the (source block, destination block) copies to do before the next forward."""
-        assert not child.block_table and not parent.swap_table, "fork a running parent into an empty child"
+        assert not child.block_table and None not in parent.block_table, "fork a running parent into an empty child"
         child.num_computed_tokens, child.prefix_ids = parent.num_computed_tokens, list(parent.prefix_ids)
         child.num_dropped_blocks = parent.num_dropped_blocks
         copies = []
@@ -367,120 +333,34 @@ class BlockManager:
         """Cache each block of `seq` that is now full and computed, so later sequences can share it."""
         if not self.enable_prefix_caching:
             return
-        if self.radix is not None:
-            self._radix_insert(seq, seq.num_computed_tokens // self.block_size * self.block_size)
-            return
         for i in range(len(seq.prefix_ids), seq.num_computed_tokens // self.block_size):
             parent = seq.prefix_ids[i - 1] if i else ROOT
             seq.prefix_ids.append(None if parent is None else
                                   self._cache_block(seq.block_table[i], parent, self._block_tokens(seq, i)))
 
-    def _radix_insert(self, seq: Sequence, num_tokens: int) -> None:
-        """Put `seq`'s first `num_tokens` (computed) tokens and their blocks in the radix tree."""
-        if num_tokens > seq.num_inserted_tokens:
-            self.radix.insert(seq.token_ids[:num_tokens], seq.block_table)
-            seq.num_inserted_tokens = num_tokens
-
     def free(self, seq: Sequence) -> None:
         """Return all of `seq`'s blocks. Last blocks first, so the prefix blocks stay cached longest."""
-        assert not seq.swap_table, "swap the sequence in first"
-        if self.radix is not None:
-            self._radix_insert(seq, seq.num_computed_tokens)   # the partly filled last block too
+        assert None not in seq.block_table, "bring the sequence's blocks back to the device first"
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table.clear()
         seq.prefix_ids.clear()
         seq.num_dropped_blocks = 0
 
-    # ---- swapping (preemption_mode="swap") ----------------------------------------------------
-    def _blocks_to_copy(self, seq: Sequence) -> list[int]:
-        """Indices of the blocks a swap-out copies: those with computed K/V that `seq` holds alone."""
-        num_with_kv = cdiv(seq.num_computed_tokens, self.block_size)
-        return [i for i, block_id in enumerate(seq.block_table[:num_with_kv]) if self.blocks[block_id].ref_count == 1]
-
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self._blocks_to_copy(seq)) <= len(self.free_swap_ids)
-
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Preempt `seq` by swap: the blocks it holds alone are copied to the CPU pool and released (a cached one
-        stays in the prefix cache until evicted); blocks it shares stay on the device, still referenced; blocks
-        past its computed tokens hold no K/V yet and are just released. `block_table[i]` becomes None for a block
-        now in the CPU pool at `swap_table[i]`. Returns the (device block, swap block) copies to do before the
-        next forward."""
-        assert self.can_swap_out(seq)
-        copied, num_with_kv = set(self._blocks_to_copy(seq)), cdiv(seq.num_computed_tokens, self.block_size)
-        released = [b for i, b in enumerate(seq.block_table) if i in copied or i >= num_with_kv]
-        copies = []
-        for i in sorted(copied):
-            seq.swap_table[i] = self.free_swap_ids.pop()
-            copies.append((seq.block_table[i], seq.swap_table[i]))
-            seq.block_table[i] = None
-        del seq.block_table[num_with_kv:]
-        for block_id in reversed(released):   # last blocks first, as in free
-            self._release(block_id)
-        return copies
-
-    def _cached_copy(self, seq: Sequence, i: int) -> int | None:
-        """A block in the prefix cache equal to `seq`'s block i (named by the prefix ids `seq` kept), or None."""
-        if i >= len(seq.prefix_ids) or seq.prefix_ids[i] is None:
-            return None
-        return self._lookup(seq.prefix_ids[i - 1] if i else ROOT, self._block_tokens(seq, i))
-
-    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
-        """Are there free blocks for `seq`'s swapped blocks not found in the prefix cache, for the cached ones
-        nobody holds now, and for `num_new_tokens` more tokens?"""
-        found = [self._cached_copy(seq, i) for i in seq.swap_table]
-        needed = sum(1 for b in found if b is None or self.blocks[b].ref_count == 0)
-        extra = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
-        first, end = seq.num_computed_tokens // self.block_size, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        cow = sum(1 for b in seq.block_table[first:end] if b is not None and self.blocks[b].ref_count > 1)   # kept, shared
-        return needed + extra + cow <= self.num_free_blocks
-
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring `seq` back. A swapped block still in the prefix cache is shared again (no copy); the others get
-        fresh blocks (cached again under their old key when it is free). Returns (swap block, device block) copies."""
-        assert self.can_swap_in(seq, 0)
-        found = {i: self._cached_copy(seq, i) for i in seq.swap_table}
-        for block_id in found.values():   # first, so that taking fresh blocks below cannot evict them
-            if block_id is not None:
-                self._share(block_id)
-        copies = []
-        for i, swap_id in seq.swap_table.items():
-            block_id = found[i]
-            if block_id is None:
-                block_id = self._take_free_block()
-                copies.append((swap_id, block_id))
-                if i < len(seq.prefix_ids) and seq.prefix_ids[i] is not None:
-                    self._cache_block(block_id, seq.prefix_ids[i - 1] if i else ROOT, self._block_tokens(seq, i),
-                                      seq.prefix_ids[i])
-            seq.block_table[i] = block_id
-            self.free_swap_ids.append(swap_id)
-        seq.swap_table.clear()
-        return copies
-
     # ---- checks ------------------------------------------------------------------------------
-    def check_invariants(self, holders: Iterable[Sequence] = (), swapped: Iterable[Sequence] = ()) -> None:
-        """Assert the bookkeeping is consistent. `holders`: every running sequence; `swapped`: every swapped one
-        (it still holds the blocks it shares)."""
+    def check_invariants(self, holders: Iterable[Sequence] = ()) -> None:
+        """Assert the bookkeeping is consistent. `holders`: every sequence holding blocks (running, or preempted with
+        its KV kept elsewhere: it still holds the blocks it shares)."""
         free = set(self.free_block_ids)
         assert len(free) == len(self.free_block_ids)
-        swapped = list(swapped)
         refs = [0] * self.num_blocks
-        for seq in [*holders, *swapped]:
+        for seq in holders:
             for block_id in seq.block_table:
                 if block_id is not None:
                     refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} holders"
             assert (block.ref_count == 0) == (block.block_id in free), f"block {block.block_id} free-list mismatch"
-        if self.radix is not None:
-            for node in self.radix.nodes():
-                assert all(node in self.radix.holders[b] for b in node.blocks), "radix holders out of date"
-                assert len(node.blocks) == cdiv(node.end, self.block_size) - node.start // self.block_size
         for h, block_id in self.hash_to_block_id.items():
             block = self.blocks[block_id]
             assert block.hash == h == hash_block(block.parent_id, block.token_ids) and block.prefix_id is not None
-        for seq in swapped:
-            assert all((b is None) == (i in seq.swap_table) for i, b in enumerate(seq.block_table))
-        swap_ids = [i for seq in swapped for i in seq.swap_table.values()]
-        assert len(set(swap_ids) | set(self.free_swap_ids)) == len(swap_ids) + len(self.free_swap_ids) == self.num_swap_blocks

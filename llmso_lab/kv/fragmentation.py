@@ -123,4 +123,4 @@ def kv_occupancy(block_manager: BlockManager, seqs: Iterable[Sequence]) -> tuple
 
 def engine_occupancy(llm: LLM) -> tuple[int, int]:
     """`kv_occupancy` of an engine between two `step()`s: its running and swapped sequences."""
-    return kv_occupancy(llm.block_manager, [*llm.scheduler.running, *llm.scheduler.swapped])
+    return kv_occupancy(llm.block_manager, [*llm.scheduler.running, *llm.scheduler.offloaded])

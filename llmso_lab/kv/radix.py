@@ -5,7 +5,7 @@ Each node holds the tokens on the edge into it (`key`); a path from the root spe
 SPLITS an edge where the new list leaves it midway, so two prompts that differ from token 37 on share 37
 tokens (a hash chain of 16-token blocks shares only 32 of them).
 
-For the engine (`BlockManager(prefix_caching_algo="radix")`) a node also records where its tokens' K/V
+For the engine (`kv.radix_cache.RadixBlockManager`, `prefix_caching_algo="radix"`) a node also records where its tokens' K/V
 live: `blocks[j]` is the KV block of block index `start // block_size + j`. A block index that straddles a
 split appears in both the parent and the child; a later branch gets its own block there (the engine copies the
 parent's tokens of that block into it: copy-on-write at token granularity), so along any path the deepest

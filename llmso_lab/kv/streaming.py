@@ -30,13 +30,17 @@ budget are therefore prefilled in several chunks (this needs `enable_chunked_pre
 
 vLLM has no such option (its paged cache never drops a running sequence's blocks; sliding-window models free the
 blocks that fell out of the window, the same mechanism without sinks). The pure functions below are the rule;
-the scheduler calls them.
+`StreamingKVEviction` plugs it into the engine: the scheduler's `growth` seam caps each step's tokens and drops the
+blocks before the free-block check (`LLM(kv_eviction={"method": "streaming", "num_sink_blocks": s,
+"window_blocks": w})`). The features it refuses are in `engine.compat`; n > 1 and beam search are refused per request
+(samples and beams share blocks that one of them would drop). A sequence preempted by recompute is recomputed that
+way too, so its later tokens may differ from an uninterrupted run.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StreamingEviction", "streaming_block_keep", "max_chunk_tokens", "num_blocks_to_evict"]
+__all__ = ["StreamingEviction", "streaming_block_keep", "max_chunk_tokens", "num_blocks_to_evict", "StreamingKVEviction"]
 
 EVICTION_METHODS = ("streaming",)
 
@@ -106,3 +110,52 @@ def num_blocks_to_evict(num_computed: int, num_new: int, num_evicted: int, block
     held_after = _cdiv(num_computed + num_new, block_size) - num_evicted
     evictable = max(0, num_computed // block_size - ev.num_sink_blocks - num_evicted)
     return min(evictable, max(0, held_after - ev.max_blocks_per_seq))
+
+
+class StreamingKVEviction:
+    """The engine feature (`kv_eviction=`): the scheduler's `growth` seam and the `kv_evicted_blocks` stat."""
+    name = "kv_eviction"
+
+    def __init__(self, engine) -> None:
+        self.ev, self.block_size = engine.config.eviction, engine.config.block_size
+        self.bm = engine.block_manager
+        self.num_evicted_blocks = 0
+        engine.scheduler.growth = self
+
+    def cap(self, seq, n: int) -> int:
+        """Cap this step's `n` tokens of `seq` so that it holds at most sinks + window + 1 blocks once its evictable
+        blocks are gone, drop the oldest non-sink blocks that would exceed that (before the free-block check, so they
+        count as free), and return the capped `n`."""
+        if n == 0:
+            return n
+        n = min(n, max_chunk_tokens(seq.num_computed_tokens, self.block_size, self.ev))
+        k = num_blocks_to_evict(seq.num_computed_tokens, n, seq.num_dropped_blocks, self.block_size, self.ev)
+        if k:
+            self.drop_blocks(seq, self.ev.num_sink_blocks, k)
+        return n
+
+    def drop_blocks(self, seq, first: int, count: int) -> None:
+        """Drop `count` blocks of `seq.block_table` from table index `first` on and return them (the oldest blocks
+        after the sinks). Their K/V is gone for good, so they must hold only computed tokens that nothing caches:
+        prefix caching is off under eviction (a later sequence could not share a table with a hole)."""
+        bm, end = self.bm, first + count
+        assert not bm.enable_prefix_caching, "eviction and prefix caching do not mix"
+        assert 0 <= first and end * self.block_size <= bm._num_kv_tokens(seq), \
+            f"seq {seq.seq_id}: blocks {first}..{end - 1} are not all computed"
+        for block_id in seq.block_table[first:end]:
+            bm._release(block_id)
+        del seq.block_table[first:end]
+        seq.num_dropped_blocks += count
+        self.num_evicted_blocks += count
+
+    def check_request(self, params) -> None:
+        if params.n > 1:
+            raise ValueError(f"n={params.n} cannot be combined with kv_eviction (samples share blocks that one of them "
+                             "would evict); use n=1")
+
+    def check_search(self) -> None:
+        raise ValueError("beam_search cannot be combined with kv_eviction (beams share blocks that one of them would "
+                         "evict); make an LLM without kv_eviction")
+
+    def stats(self) -> dict:
+        return {"kv_evicted_blocks": self.num_evicted_blocks}

@@ -5,10 +5,10 @@
 a drafter fills them (`spec.drafters`), the target computes its last token and the k drafts in the same forward as
 the rest of the batch, and rejection sampling (`spec.verify`; greedy: argmax matching) decides what is emitted:
 greedy outputs equal plain decoding, sampled ones follow the target's distribution. Rejected drafts' slots are
-rolled back and the blocks only they used freed (`Scheduler.update`). `llm.stats()` adds
+rolled back and the blocks only they used freed (`accept`, `BlockManager.trim`). `llm.stats()` adds
 `spec_num_draft_tokens`, `spec_num_accepted_tokens`, the acceptance rate and the mean accepted length.
 
-Hooks used: `after_schedule` (propose drafts into the reserved slots), `on_block_copies` (a drafter with its own
+Seams used: the scheduler's `lookahead` (`slots`, `accept`); hooks `after_schedule` (propose drafts into the reserved slots), `on_block_copies` (a drafter with its own
 paged cache copies the same blocks), `take_logits` (verify each speculative row group, let Medusa see the hidden
 states), `after_sample` (a decode whose slots got no draft emits its one token as a list), `on_retire`, `stats`.
 """
@@ -28,8 +28,37 @@ class SpeculativeDecoding:
     def __init__(self, engine) -> None:
         c = engine.config
         self.drafter = make_drafter(c.spec, c, engine.model, engine.model_runner)
+        self.k, self.max_model_len = c.num_speculative_tokens, c.max_model_len
         self.num_spec_steps = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.draft_probs: dict[int, Tensor] = {}   # this step's draft distributions (sampled drafts only)
+        engine.scheduler.lookahead = self
+
+    # ---- the scheduler's lookahead seam ----------------------------------------------------------------------
+    def slots(self, seq) -> int:
+        """Draft slots for a decoding `seq`: num_speculative_tokens, fewer near its max_tokens or max_model_len
+        (drafts past them could never be used); none for a sequence in a search group (beams)."""
+        if seq.group is not None:
+            return 0
+        return max(0, min(self.k, seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens))
+
+    def accept(self, scheduler, item, emitted: list[int], now: float) -> None:
+        """A speculative decode emitted `emitted` (the accepted drafts, then one token from the target). The K/V
+        of the last token and of each accepted draft is valid; the slots of rejected drafts are rolled back: the
+        sequence's computed length stops before them (they are overwritten later) and the blocks only they
+        used are freed. Tokens after a stop (EOS, max_tokens) are dropped."""
+        seq = item.seq
+        seq.num_computed_tokens += 1
+        for j, token in enumerate(emitted):
+            if j:
+                seq.num_computed_tokens += 1     # draft j - 1 was accepted: its K/V (computed this step) is right
+            scheduler.append_token(seq, token, now)
+            if seq.is_finished:
+                break
+        scheduler.block_manager.trim(seq)
+        scheduler.block_manager.cache_full_blocks(seq)
+
+    # ---- the loop's hooks ---------------------------------------------------------------------------------------
 
     def on_retire(self, retired) -> None:
         for seq in retired:
