@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Leaf modules: each may import other leaves, never the engine's upper layers (LLM, scheduler, runner, features).
 LEAVES = ["llmso_lab.engine.ops", "llmso_lab.engine.cache_sizing", "llmso_lab.hardware", "llmso_lab.engine.kv_cache",
+          "llmso_lab.engine.inputs",
           "llmso_lab.engine.sequence", "llmso_lab.engine.attention", "llmso_lab.engine.config",
           "llmso_lab.kv.block_manager", "llmso_lab.parallel.heads"]
 UPPER = ("llmso_lab.engine.llm", "llmso_lab.engine.core", "llmso_lab.engine.scheduler", "llmso_lab.engine.model_runner",
@@ -57,7 +58,7 @@ def test_the_feature_check_catches_a_feature_branch():
 def test_core_is_about_nano_vllm_size():
     """The core a student reads in an hour: about nano-vllm's size (its five engine files are ~1.2k lines)."""
     lines = {p: len((ROOT / p).read_text().splitlines()) for p in CORE_FILES}
-    assert sum(lines.values()) <= 1600, lines
+    assert sum(lines.values()) <= 1500, lines
 
 
 # ---- the compatibility table (`engine.compat`) -------------------------------------------------------------------

@@ -6,7 +6,7 @@ import time
 
 from llmso_lab.disagg.router import LOCAL, pd_route
 from llmso_lab.disagg.worker import Job, serve
-from llmso_lab.engine.llm import _eos_token_ids, _resolve_model, as_batch, prompt_token_ids
+from llmso_lab.engine.inputs import _eos_token_ids, _resolve_model, as_batch, prompt_token_ids
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.parallel.launcher import RankError, Workers

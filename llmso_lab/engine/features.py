@@ -76,20 +76,26 @@ def make_scheduler(config, eos_token_ids, clock):
 ALWAYS_REPORTED = {"num_preemptions_swap": 0, "kv_evicted_blocks": 0}
 
 
+# The features with hooks in the loop: (is it on for this config?, "module:class"), in the order their hooks run.
+# Adding one: a module with a class taking the engine, and one line here.
+HOOKED = [
+    (lambda c: True, "llmso_lab.engine.beam_search:BeamSearch"),                      # LLM.beam_search (lecture 1-2)
+    (lambda c: c.batching != "continuous", "llmso_lab.engine.lockstep:LockstepBatching"),   # static / dynamic (1-1)
+    (lambda c: c.eviction is not None, "llmso_lab.kv.streaming:StreamingKVEviction"),   # StreamingLLM blocks (2-4)
+    (lambda c: c.spec is not None, "llmso_lab.spec.engine:SpeculativeDecoding"),       # speculative decoding (2-1)
+]
+
+
 def engine_features(engine) -> list:
-    """The features whose hooks the engine's loop calls (`LLM._step`), for `engine.config`. A feature has a `name`
-    (its `EngineConfig` field or API), `stats()`, and any of: `on_retire(seqs)`, `after_schedule(out)`,
-    `on_block_copies(mapping)`, `take_logits(rows, logits, hidden)`, `after_sample(out, sampled)`,
-    `after_update(now)`, `check_request(params)` (refuse a request it cannot serve), `check_search()`."""
-    from llmso_lab.engine.beam_search import BeamSearch
-    c, found = engine.config, [BeamSearch(engine)]
-    if c.batching != "continuous":   # static / dynamic batching (lecture 1-1)
-        from llmso_lab.engine.lockstep import LockstepBatching
-        found.append(LockstepBatching(engine))
-    if c.eviction is not None:   # StreamingLLM in the paged cache (lecture 2-4)
-        from llmso_lab.kv.streaming import StreamingKVEviction
-        found.append(StreamingKVEviction(engine))
-    if c.spec is not None:   # speculative decoding (lecture 2-1)
-        from llmso_lab.spec.engine import SpeculativeDecoding
-        found.append(SpeculativeDecoding(engine))
+    """The features whose hooks the engine's loop calls (`LLMEngine._step`), for `engine.config`, built from `HOOKED`.
+    A feature has a `name` (its `EngineConfig` field or API), `stats()`, and any of: `on_retire(seqs)`,
+    `after_schedule(out)`, `on_block_copies(mapping)`, `take_logits(rows, logits, hidden)`,
+    `after_sample(out, sampled)`, `after_update(now)`, `check_request(params)` (refuse a request it cannot serve),
+    `check_search()`. It may also fill a seam of the scheduler or the runner when it is built."""
+    import importlib
+    found = []
+    for is_on, where in HOOKED:
+        if is_on(engine.config):
+            module, name = where.split(":")
+            found.append(getattr(importlib.import_module(module), name)(engine))
     return found

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from llmso_lab.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from llmso_lab.engine.core import LLMEngine, Prompt, _eos_token_ids, _resolve_model, as_batch, prompt_token_ids
+from llmso_lab.engine.core import LLMEngine
+from llmso_lab.engine.inputs import Prompt, _eos_token_ids, _resolve_model, as_batch, prompt_token_ids
 
 __all__ = ["LLM", "as_batch", "prompt_token_ids", "_resolve_model", "_eos_token_ids"]
 

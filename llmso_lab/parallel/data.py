@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from llmso_lab.engine.llm import as_batch
+from llmso_lab.engine.inputs import as_batch
 from llmso_lab.engine.outputs import RequestOutput
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.parallel.launcher import RankError, Workers

@@ -68,7 +68,7 @@ class DraftModelDrafter(Drafter):
     """A draft model run by a second `ModelRunner` (its KV cache indexed by the target's block tables)."""
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target_vocab_size: int) -> None:
-        from llmso_lab.engine.llm import _resolve_model
+        from llmso_lab.engine.inputs import _resolve_model
         from llmso_lab.engine.cache_sizing import check_model_config
         from llmso_lab.engine.model_runner import ModelRunner
 
