@@ -1,7 +1,7 @@
 """Benchmark for lecture 1-1: static vs continuous batching on a real model (SmolLM2-135M, CPU; fp32 unless
 `--dtype` says otherwise: the engine and Hugging Face then both run in that dtype).
 
-`run(quick)` returns {"name", "table", "ratios", "device", "date", "command", ...} (see bench/attention.py).
+`run(quick)` returns {"name", "table", "ratios", "device", "date", "command", ...} (`bench.harness.result`).
 One offline workload (all requests arrive at t = 0; prompts 32-512 tokens, outputs 16-256, EOS ignored)
 goes through, with the same max batch size everywhere:
 
@@ -25,8 +25,6 @@ Ratios (same run): continuous_vs_static, continuous_vs_hf_static (output tokens/
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
 import statistics
 import time
 
@@ -34,10 +32,10 @@ import torch
 from tqdm.auto import tqdm
 
 from llmso_lab import hardware as hw
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 from llmso_lab.workloads import Request, RequestMetrics, latency_summary, make_workload
 
-__all__ = ["run", "workload"]
+__all__ = ["run", "workload", "warm_up"]
 
 FULL = dict(num_requests=64, prompt_len=(32, 512), output_len=(16, 256), max_num_seqs=16, batch1_tokens=64)
 QUICK = dict(num_requests=16, prompt_len=(32, 256), output_len=(16, 96), max_num_seqs=8, batch1_tokens=32)
@@ -174,6 +172,48 @@ def _batch1(model, tokenizer, prompt: list[int], new_tokens: int, pad_id: int, m
     return statistics.median(engine), statistics.median(hf), statistics.median(matmuls)
 
 
+def warm_up(model, tokenizer, prompts, max_num_seqs: int, max_model_len: int, dtype: str) -> None:
+    """A full batch of the workload's prompts (2 tokens each) on a fresh engine, untimed: first-call allocations and
+    the first large prefill cost seconds once, and must not land in a timed run."""
+    warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:max_num_seqs])]
+    _engine(model, tokenizer, "continuous", warm, prompts[:max_num_seqs], max_num_seqs, max_model_len, dtype=dtype)
+
+
+def _batch1_rows(net, dtype: str, itemsize: int, eng1: float, hf1: float, mm1: float, context: int,
+                 mem_bandwidth: float) -> tuple[list[dict], float, int]:
+    """The batch-1 decode rows (engine, HF, the engine's matmuls alone, the memory-bandwidth ceiling), the ceiling
+    and the weight bytes. Each decode step reads all weights once and the KV of `context` tokens."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())   # tied head counted once
+    c = net.config
+    kv_per_token = hw.kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads,
+                                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                                         itemsize)
+    copy_bound = hw.decode_tokens_per_s_bound(weight_bytes, mem_bandwidth, 1, context, kv_per_token)
+    # a copy's measured rate understates what a pure read stream reaches (the matmuls can beat it): the ceiling
+    # is whichever of the two is higher
+    ceiling = max(copy_bound, mm1)
+    rows = [
+        {"system": "engine batch-1 decode", "decode_tok_s": round(eng1, 1),
+         "of_ceiling": round(eng1 / ceiling, 2)},
+        {"system": "HF generate batch-1 decode", "decode_tok_s": round(hf1, 1), "of_ceiling": round(hf1 / ceiling, 2)},
+        {"system": "engine's weight matmuls alone, batch 1", "decode_tok_s": round(mm1, 1),
+         "of_ceiling": round(mm1 / ceiling, 2), "note": "every other op of the step taken out"},
+        {"system": "memory-bandwidth ceiling, batch 1", "decode_tok_s": round(ceiling, 1), "of_ceiling": 1.0,
+         "note": f"{weight_bytes / 1e6:.0f} MB {dtype} weights at {mem_bandwidth / 1e9:.1f} GB/s (measured copy): "
+                 f"{copy_bound:.1f} tok/s" + ("" if copy_bound >= mm1 else "; the matmuls alone went faster")},
+    ]
+    return rows, ceiling, weight_bytes
+
+
+def _step_ms(engine_tok_s: float, hf_tok_s: float, matmuls_tok_s: float) -> dict:
+    """One batch-1 decode step in ms = streaming the weights (the matmuls) + everything else; the second part is
+    what separates the engine from HF at batch 1, and what a GPU engine's CUDA graphs and fused kernels shrink."""
+    step_ms = {"engine": 1e3 / engine_tok_s, "hf_generate": 1e3 / hf_tok_s, "matmuls_only": 1e3 / matmuls_tok_s}
+    step_ms.update(engine_other_ops=step_ms["engine"] - step_ms["matmuls_only"],
+                   hf_other_ops=step_ms["hf_generate"] - step_ms["matmuls_only"])
+    return step_ms
+
+
 def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int | None = None,
         max_num_seqs: int | None = None, prompt_len: tuple[int, int] | None = None,
         output_len: tuple[int, int] | None = None, batch1_tokens: int | None = None,
@@ -186,11 +226,8 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
     from llmso_lab.engine.config import resolve_dtype
     from llmso_lab.models import load_model
 
-    cfg = dict(QUICK if quick else FULL)
-    for k, v in dict(num_requests=num_requests, max_num_seqs=max_num_seqs, prompt_len=prompt_len,
-                     output_len=output_len, batch1_tokens=batch1_tokens).items():
-        if v is not None:
-            cfg[k] = v
+    cfg = harness.overridden(QUICK if quick else FULL, num_requests=num_requests, max_num_seqs=max_num_seqs,
+                             prompt_len=prompt_len, output_len=output_len, batch1_tokens=batch1_tokens)
     requested = dtype
     torch_dtype, dtype_reason = resolve_dtype(dtype, torch.device("cpu"))
     dtype = str(torch_dtype).removeprefix("torch.")
@@ -198,69 +235,33 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", num_requests: int |
     pad_id = net.config.pad_token_id if net.config.pad_token_id is not None else 0
     reqs, prompts = workload(cfg["num_requests"], cfg["prompt_len"], cfg["output_len"], net.config.vocab_size)
     max_model_len = min(net.config.max_position_embeddings, cfg["prompt_len"][1] + cfg["output_len"][1] + 16)
-    B = cfg["max_num_seqs"]
-    # warm up both code paths outside the timed runs: first-call allocations and the first large prefill
-    # (a full batch of prompts) cost seconds once
-    warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:B])]
-    _engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len, dtype=dtype)
+    B, n1 = cfg["max_num_seqs"], cfg["batch1_tokens"]
+    warm_up(net, tokenizer, prompts, B, max_model_len, dtype)   # both code paths, outside the timed runs
     _hf_generate(net, prompts[:B], 2, pad_id)
 
-    phases = ["engine continuous", "engine static", "HF generate static", "batch-1 decode", "memory bandwidth"]
     table = []
-    with tqdm(total=len(phases), desc="bench batching") as bar:
+    with tqdm(total=5, desc="bench batching") as bar:   # 5 phases: engine x 2, HF, batch 1, bandwidth
         for batching in ("continuous", "static"):
-            bar.set_postfix_str(f"engine {batching}")
-            table.append(_engine(net, tokenizer, batching, reqs, prompts, B, max_model_len, dtype=dtype)[0])
-            bar.update()
-        bar.set_postfix_str("HF generate")
-        table.append(_hf_static(net, reqs, prompts, B, pad_id)[0])
-        bar.update()
-        bar.set_postfix_str("batch 1")
-        n1 = cfg["batch1_tokens"]
-        eng1, hf1, mm1 = _batch1(net, tokenizer, prompts[0][:32], n1, pad_id, max_model_len, dtype=dtype)
-        bar.update()
-        bar.set_postfix_str("memory bandwidth")
-        cpu = hw.measure_cpu(seconds=measure_seconds if measure_seconds is not None else (1.0 if quick else 2.0))
-        bar.update()
-    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())   # tied head counted once
-    c = net.config
-    kv_per_token = hw.kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads,
-                                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                                         torch_dtype.itemsize)
-    copy_bound = hw.decode_tokens_per_s_bound(weight_bytes, cpu.mem_bandwidth, 1, 32 + n1 // 2, kv_per_token)
-    # a copy's measured rate understates what a pure read stream reaches (the matmuls can beat it): the ceiling
-    # is whichever of the two is higher
-    ceiling = max(copy_bound, mm1)
-    table += [
-        {"system": "engine batch-1 decode", "decode_tok_s": round(eng1, 1),
-         "of_ceiling": round(eng1 / ceiling, 2)},
-        {"system": "HF generate batch-1 decode", "decode_tok_s": round(hf1, 1), "of_ceiling": round(hf1 / ceiling, 2)},
-        {"system": "engine's weight matmuls alone, batch 1", "decode_tok_s": round(mm1, 1),
-         "of_ceiling": round(mm1 / ceiling, 2), "note": "every other op of the step taken out"},
-        {"system": "memory-bandwidth ceiling, batch 1", "decode_tok_s": round(ceiling, 1), "of_ceiling": 1.0,
-         "note": f"{weight_bytes / 1e6:.0f} MB {dtype} weights at {cpu.mem_bandwidth / 1e9:.1f} GB/s (measured copy): "
-                 f"{copy_bound:.1f} tok/s" + ("" if copy_bound >= mm1 else "; the matmuls alone went faster")},
-    ]
-    # one decode step = streaming the weights (the matmuls) + everything else; the second part is what
-    # separates the engine from HF at batch 1, and what a GPU engine's CUDA graphs and fused kernels shrink
-    step_ms = {"engine": 1e3 / eng1, "hf_generate": 1e3 / hf1, "matmuls_only": 1e3 / mm1}
-    step_ms.update(engine_other_ops=step_ms["engine"] - step_ms["matmuls_only"],
-                   hf_other_ops=step_ms["hf_generate"] - step_ms["matmuls_only"])
+            with harness.phase(bar, f"engine {batching}"):
+                table.append(_engine(net, tokenizer, batching, reqs, prompts, B, max_model_len, dtype=dtype)[0])
+        with harness.phase(bar, "HF generate"):
+            table.append(_hf_static(net, reqs, prompts, B, pad_id)[0])
+        with harness.phase(bar, "batch 1"):
+            eng1, hf1, mm1 = _batch1(net, tokenizer, prompts[0][:32], n1, pad_id, max_model_len, dtype=dtype)
+        with harness.phase(bar, "memory bandwidth"):
+            cpu = hw.measure_cpu(seconds=measure_seconds if measure_seconds is not None else (1.0 if quick else 2.0))
+    rows, ceiling, weight_bytes = _batch1_rows(net, dtype, torch_dtype.itemsize, eng1, hf1, mm1, 32 + n1 // 2,
+                                               cpu.mem_bandwidth)
+    table += rows
     tok_s = {r["system"]: r["output_tok_s"] for r in table if "output_tok_s" in r}
-    ratios = {
-        "continuous_vs_static": round(tok_s["engine continuous"] / tok_s["engine static"], 2),
-        "continuous_vs_hf_static": round(tok_s["engine continuous"] / tok_s["HF generate static"], 2),
-        "batch1_vs_hf": round(eng1 / hf1, 2),
-    }
-    return {"name": "batching", "table": table, "ratios": ratios, "device": _device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "llmso-lab bench batching" + (" --quick" if quick else "") + (f" --dtype {requested}" if requested != "float32" else ""),
-            "dtype": dtype, "dtype_reason": dtype_reason,
-            "model": model, "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
-            "memory_bandwidth_GB_s": round(cpu.mem_bandwidth / 1e9, 2), "weight_bytes": weight_bytes,
-            "batch1_ceiling_tok_s": round(ceiling, 1), "batch1_step_ms": {k: round(v, 2) for k, v in step_ms.items()},
-            "load_avg": [round(x, 2) for x in os.getloadavg()],
-            "note": "CPU figures; the machine may be shared with other jobs (see load_avg)."}
+    ratios = {"continuous_vs_static": round(tok_s["engine continuous"] / tok_s["engine static"], 2),
+              "continuous_vs_hf_static": round(tok_s["engine continuous"] / tok_s["HF generate static"], 2),
+              "batch1_vs_hf": round(eng1 / hf1, 2)}
+    return harness.result("batching", quick, f"--dtype {requested}" if requested != "float32" else "",
+                          table=table, ratios=ratios, dtype=dtype, dtype_reason=dtype_reason, model=model,
+                          workload=harness.lists(cfg), memory_bandwidth_GB_s=round(cpu.mem_bandwidth / 1e9, 2),
+                          weight_bytes=weight_bytes, batch1_ceiling_tok_s=round(ceiling, 1),
+                          batch1_step_ms=harness.rounded(_step_ms(eng1, hf1, mm1), 2), **harness.shared_cpu())
 
 
 if __name__ == "__main__":  # pragma: no cover

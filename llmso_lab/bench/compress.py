@@ -21,41 +21,28 @@ here instead of ~2 s):
 from __future__ import annotations
 
 import copy
-import datetime
 import time
 
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 
 __all__ = ["run"]
 
 
-def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
-    from tqdm.auto import tqdm
-
-    from llmso_lab.models import load_model
-    from llmso_lab.quality import calibration_token_ids, eval_token_ids, perplexity
+def _jobs(quick: bool, bits_list, calib, calib_all, in_domain) -> list[tuple[str, dict, object]]:
+    """(table, row, transform of a model copy): every compression the bench scores, in the order it scores them."""
     from llmso_lab.quant.awq import awq_quantize_model
     from llmso_lab.quant.calibration import linear_names
-    from llmso_lab.quant.distill import compare_soft_hard
     from llmso_lab.quant.gptq import gptq_quantize_model
     from llmso_lab.quant.prune import prune_2_4, prune_mlp_channels, prune_unstructured
     from llmso_lab.quant.rtn import fake_quantize
     from llmso_lab.quant.w8a8 import quantize_linears_w8a8, smooth_model
-
-    t_start = time.perf_counter()
-    model, tok = load_model("smollm2-135m")
-    ids = eval_token_ids(tok, 512 if quick else 2048)
-    calib, calib_all = calibration_token_ids(tok, 512), calibration_token_ids(tok)
-    in_domain = eval_token_ids(tok)[2048:4096]   # never scored (the full run scores the first 2,048 tokens)
-    ppl = lambda m: round(perplexity(m, ids, window=512), 3)  # noqa: E731
 
     def rtn(m, bits, group, sym):
         mods = dict(m.named_modules())
         for name in linear_names(m):
             mods[name].weight.data.copy_(fake_quantize(mods[name].weight.data, bits, group_size=group, symmetric=sym))
 
-    jobs = []   # (table, row, transform)
-    bits_list = (8, 4, 3) if quick else (8, 4, 3, 2)
+    jobs = []
     for bits in bits_list:
         jobs.append(("bits", {"method": "RTN", "bits": bits, "group": 64, "symmetric": True},
                      lambda m, b=bits: rtn(m, b, 64, True)))
@@ -70,7 +57,8 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
     jobs.append(("bits", {"method": "RTN", "bits": 4, "group": 64, "symmetric": False}, lambda m: rtn(m, 4, 64, False)))
     jobs.append(("bits", {"method": "AWQ", "bits": 4, "group": 64, "symmetric": False},
                  lambda m: awq_quantize_model(m, calib, 4, 64, False)))
-    jobs.append(("bits", {"method": "RTN", "bits": 4, "group": "channel", "symmetric": True}, lambda m: rtn(m, 4, None, True)))
+    jobs.append(("bits", {"method": "RTN", "bits": 4, "group": "channel", "symmetric": True},
+                 lambda m: rtn(m, 4, None, True)))
     for alpha in (None, 0.25, 0.5, 0.75, 1.0):
         jobs.append(("smoothquant", {"scheme": "W8A8 int8", "alpha": alpha},
                      lambda m, a=alpha: (a is not None and smooth_model(m, calib, a), quantize_linears_w8a8(m, "int8"))))
@@ -81,16 +69,13 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
     jobs.append(("prune_2_4", {"pattern": "2:4", "sparsity": 0.5}, lambda m: prune_2_4(m)))
     for fr in ((0.0, 0.2, 0.5) if quick else (0.0, 0.1, 0.2, 0.3, 0.5)):
         jobs.append(("prune_mlp", {"fraction": fr}, lambda m, f=fr: prune_mlp_channels(m, f, calib)))
+    return jobs
 
-    tables: dict[str, list] = {}
-    for table, row, transform in tqdm(jobs, desc="compress + perplexity"):
-        m = copy.deepcopy(model)
-        t0 = time.perf_counter()
-        transform(m)
-        row = {**row, "ppl": ppl(m), "seconds": round(time.perf_counter() - t0, 1)}
-        tables.setdefault(table, []).append(row)
-        del m
-    steps = distill_steps or (20 if quick else 200)
+
+def _distill(model, tok, quick: bool, steps: int) -> list[dict]:
+    """Soft (top-64 logits) against hard (tokens) distillation of a tiny student, per training slice."""
+    from llmso_lab.quant.distill import compare_soft_hard
+
     distill = []
     for max_train in ((1663,) if quick else (1663, None)):
         d = compare_soft_hard(model, tok, heldout_tokens=1024, max_train_tokens=max_train, steps=steps,
@@ -102,13 +87,19 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
             **{mode: {"heldout_ppl": round(d[mode].heldout_ppl, 3), "seconds": round(d[mode].seconds, 1),
                       "heldout_curve": [(s, round(p, 3)) for s, p in d[mode].heldout_curve],
                       "final_loss": round(d[mode].losses[-1], 4)} for mode in ("soft", "hard")}})
-    base = ppl(model)
+    return distill
+
+
+def _ratios(tables: dict, distill: list[dict], base: float, bits_list) -> dict:
+    """Perplexity ratios (< 1: the first loses less): AWQ and GPTQ over RTN, the checkpoint's own grid and W8A8 over
+    fp32, SmoothQuant over plain W8A8, 2:4 over unstructured pruning, soft over hard distillation."""
     by = {(r["method"], r["bits"], r["group"], r["symmetric"]): r["ppl"] for r in tables["bits"] if "calib" not in r}
     in_dom = {r["bits"]: r["ppl"] for r in tables["bits"] if "calib" in r}
     ratios = {}
     for bits in bits_list:
         for method in ("AWQ", "GPTQ"):
-            ratios[f"{method.lower()}_over_rtn_ppl_{bits}bit_g64_sym"] = round(by[(method, bits, 64, True)] / by[("RTN", bits, 64, True)], 4)
+            ratios[f"{method.lower()}_over_rtn_ppl_{bits}bit_g64_sym"] = round(
+                by[(method, bits, 64, True)] / by[("RTN", bits, 64, True)], 4)
     for bits, p in in_dom.items():
         ratios[f"gptq_in_domain_over_rtn_ppl_{bits}bit_g64_sym"] = round(p / by[("RTN", bits, 64, True)], 4)
     ratios["awq_over_rtn_ppl_4bit_g64_asym"] = round(by[("AWQ", 4, 64, False)] / by[("RTN", 4, 64, False)], 4)
@@ -121,9 +112,36 @@ def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
     for d in distill:
         ratios[f"distill_soft_over_hard_heldout_ppl_{d['train_tokens']}_train_tokens"] = round(
             d["soft"]["heldout_ppl"] / d["hard"]["heldout_ppl"], 4)
+    return ratios
+
+
+def run(quick: bool = False, *, distill_steps: int | None = None) -> dict:
+    from tqdm.auto import tqdm
+
+    from llmso_lab.models import load_model
+    from llmso_lab.quality import calibration_token_ids, eval_token_ids, perplexity
+
+    t_start = time.perf_counter()
+    model, tok = load_model("smollm2-135m")
+    ids = eval_token_ids(tok, 512 if quick else 2048)
+    calib, calib_all = calibration_token_ids(tok, 512), calibration_token_ids(tok)
+    in_domain = eval_token_ids(tok)[2048:4096]   # never scored (the full run scores the first 2,048 tokens)
+    ppl = lambda m: round(perplexity(m, ids, window=512), 3)  # noqa: E731
+    bits_list = (8, 4, 3) if quick else (8, 4, 3, 2)
+    jobs = _jobs(quick, bits_list, calib, calib_all, in_domain)
+    tables: dict[str, list] = {}
+    for table, row, transform in tqdm(jobs, desc="compress + perplexity"):
+        m = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        transform(m)
+        row = {**row, "ppl": ppl(m), "seconds": round(time.perf_counter() - t0, 1)}
+        tables.setdefault(table, []).append(row)
+        del m
+    distill = _distill(model, tok, quick, distill_steps or (20 if quick else 200))
+    base = ppl(model)
+    ratios = _ratios(tables, distill, base, bits_list)
     table = tables.pop("bits")
-    return {"name": "compress", "device": _device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "llmso-lab bench compress" + (" --quick" if quick else ""),
-            "eval_tokens": len(ids), "calib_tokens": {"awq_smoothquant_prune": len(calib), "gptq": len(calib_all)}, "ppl_fp32": base, "table": table,
-            "tables": tables, "distill": distill, "ratios": ratios, "seconds": round(time.perf_counter() - t_start, 1)}
+    return harness.result("compress", quick, eval_tokens=len(ids),
+                          calib_tokens={"awq_smoothquant_prune": len(calib), "gptq": len(calib_all)}, ppl_fp32=base,
+                          table=table, tables=tables, distill=distill, ratios=ratios,
+                          seconds=round(time.perf_counter() - t_start, 1))

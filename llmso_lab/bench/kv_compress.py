@@ -21,13 +21,12 @@ needle texts and budgets; without that venv its columns are absent and the reaso
 """
 from __future__ import annotations
 
-import datetime
 import math
 
 import torch
 from tqdm.auto import tqdm
 
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 
 BUDGETS = (0.1, 0.25, 0.5)
 # (label, eviction method, question-aware, extra compress_prefill arguments)
@@ -228,6 +227,38 @@ def _kv_bytes(cfg) -> dict[str, float]:
             for fmt in QUANT_FORMATS}
 
 
+def _cells(d: dict, fmt) -> dict:
+    """{budget fraction: value} as table cells: "full" for the whole cache, else "10%", "25%", ..."""
+    return {("full" if f == 1.0 else f"{f:.0%}"): fmt(v) for f, v in d.items()}
+
+
+def _tables(needles: dict, ppl: dict, peer: dict | None, n: int) -> tuple[list[dict], list[dict]]:
+    """The needle table (correct answers out of `n`) and the perplexity table, the kvpress peer's rows after ours."""
+    needle_table = [{"method": k, **_cells(v, lambda x: f"{x}/{n}")} for k, v in needles.items()]
+    ppl_table = [{"method": k, **_cells(v, lambda x: round(x, 3))} for k, v in ppl.items()]
+    if peer is not None:
+        needle_table += [{"method": k, **_cells(v, lambda x: f"{x}/{n}")} for k, v in peer["needle"].items()]
+        ppl_table += [{"method": k, **_cells(v, lambda x: round(x, 3))} for k, v in peer["perplexity"].items()]
+    return needle_table, ppl_table
+
+
+def _ratios(needles: dict, ppl: dict, blend_rows: list[dict], n: int, n_blend: int) -> dict:
+    """Needle accuracy (SnapKV at each budget), perplexity over the full cache's (each KV format, SnapKV and
+    StreamingLLM at each budget), and how often blending answers as a full prefill does."""
+    full_ppl = ppl["full cache"][1.0]
+    acc = lambda label, f: needles[label][f] / n  # noqa: E731
+    return {
+        "needle_full_cache": acc("full cache", 1.0),
+        **{f"needle_snapkv_aware_at_{int(f * 100)}": acc("SnapKV (aware)", f) for f in BUDGETS},
+        **{f"needle_snapkv_agnostic_at_{int(f * 100)}": acc("SnapKV (agnostic)", f) for f in BUDGETS},
+        **{f"ppl_{fmt}_over_full": ppl[f"KV {fmt}"][1.0] / full_ppl for fmt in QUANT_FORMATS},
+        **{f"ppl_snapkv_at_{int(f * 100)}_over_full": ppl["SnapKV"][f] / full_ppl for f in BUDGETS},
+        **{f"ppl_streaming_at_{int(f * 100)}_over_full": ppl["StreamingLLM"][f] / full_ppl for f in BUDGETS},
+        **{f"blend_{r['recompute']}_same_answer_as_full": int(r["same_answer_as_full"].split("/")[0]) / n_blend
+           for r in blend_rows if r["select"] == "deviation"},
+    }
+
+
 def run(quick: bool = False) -> dict:
     from llmso_lab.models import load_model
     from llmso_lab.quality import eval_token_ids
@@ -245,43 +276,21 @@ def run(quick: bool = False) -> dict:
     blend_rows = _blend_runs(model, tok, depths, (0,) if quick else (0, 1))
     ratio = _kv_bytes(model.config)
     n_blend = len(depths) * (1 if quick else 2)
-
-    def cells(d, fmt):
-        return {("full" if f == 1.0 else f"{f:.0%}"): fmt(v) for f, v in d.items()}
-
     n = len(cases)
-    needle_table = [{"method": k, **cells(v, lambda x: f"{x}/{n}")} for k, v in needles.items()]
-    ppl_table = [{"method": k, **cells(v, lambda x: round(x, 3))} for k, v in ppl.items()]
-    if peer is not None:
-        needle_table += [{"method": k, **cells(v, lambda x: f"{x}/{n}")} for k, v in peer["needle"].items()]
-        ppl_table += [{"method": k, **cells(v, lambda x: round(x, 3))} for k, v in peer["perplexity"].items()]
-    full_ppl = ppl["full cache"][1.0]
-    acc = lambda label, f: needles[label][f] / n  # noqa: E731
-    return {
-        "name": "kv-compress", "device": _device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "workload": {"model": "smollm2-135m fp32 greedy", "needle_lengths": list(lengths), "needle_depths": list(depths),
-                     "needle_cases": n, "needle_seeds": seeds, "budgets": list(BUDGETS), "observation_window": WINDOW,
-                     "kivi_residual": RESIDUAL, "block_size": BLOCK,
-                     "ppl": {"windows": windows, "context": ctx, "continuation": cont},
-                     "kvpress": None if peer is None else peer["versions"],
-                     "kvpress_missing_reason": None if peer is not None else "no .venv-kvpress (make peers-kvpress)"},
-        "table": needle_table,
-        "tables": {"perplexity of the continuation (compressed context)": ppl_table,
-                   "cache blending (CacheBlend), 512-token RAG prompts in 4 chunks": blend_rows,
-                   "KV bytes per token vs fp16 (engine store, block 16)": [
-                       {"format": f, "bytes_vs_fp16": round(r, 3)} for f, r in ratio.items()]},
-        "needles": {k: {str(f): v for f, v in d.items()} for k, d in needles.items()},
-        "perplexity": {k: {str(f): v for f, v in d.items()} for k, d in ppl.items()},
-        "kvpress": peer,
-        "ratios": {
-            "needle_full_cache": acc("full cache", 1.0),
-            **{f"needle_snapkv_aware_at_{int(f * 100)}": acc("SnapKV (aware)", f) for f in BUDGETS},
-            **{f"needle_snapkv_agnostic_at_{int(f * 100)}": acc("SnapKV (agnostic)", f) for f in BUDGETS},
-            **{f"ppl_{fmt}_over_full": ppl[f"KV {fmt}"][1.0] / full_ppl for fmt in QUANT_FORMATS},
-            **{f"ppl_snapkv_at_{int(f * 100)}_over_full": ppl["SnapKV"][f] / full_ppl for f in BUDGETS},
-            **{f"ppl_streaming_at_{int(f * 100)}_over_full": ppl["StreamingLLM"][f] / full_ppl for f in BUDGETS},
-            **{f"blend_{r['recompute']}_same_answer_as_full": int(r["same_answer_as_full"].split("/")[0]) / n_blend
-               for r in blend_rows if r["select"] == "deviation"},
-        },
-    }
+    needle_table, ppl_table = _tables(needles, ppl, peer, n)
+    return harness.result(   # no "command": the CLI records the command line it ran
+        "kv-compress", None,
+        workload={"model": "smollm2-135m fp32 greedy", "needle_lengths": list(lengths), "needle_depths": list(depths),
+                  "needle_cases": n, "needle_seeds": seeds, "budgets": list(BUDGETS), "observation_window": WINDOW,
+                  "kivi_residual": RESIDUAL, "block_size": BLOCK,
+                  "ppl": {"windows": windows, "context": ctx, "continuation": cont},
+                  "kvpress": None if peer is None else peer["versions"],
+                  "kvpress_missing_reason": None if peer is not None else "no .venv-kvpress (make peers-kvpress)"},
+        table=needle_table,
+        tables={"perplexity of the continuation (compressed context)": ppl_table,
+                "cache blending (CacheBlend), 512-token RAG prompts in 4 chunks": blend_rows,
+                "KV bytes per token vs fp16 (engine store, block 16)": [
+                    {"format": f, "bytes_vs_fp16": round(r, 3)} for f, r in ratio.items()]},
+        needles={k: {str(f): v for f, v in d.items()} for k, d in needles.items()},
+        perplexity={k: {str(f): v for f, v in d.items()} for k, d in ppl.items()},
+        kvpress=peer, ratios=_ratios(needles, ppl, blend_rows, n, n_blend))

@@ -23,12 +23,11 @@ depend on the machine and on what else runs on it.
 """
 from __future__ import annotations
 
-import datetime
 import gc
 import statistics
 import time
 
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 from llmso_lab.hardware import decode_bytes_per_step
 from llmso_lab.models.shapes import ModelShape, kv_sizing_table
 
@@ -97,28 +96,11 @@ def _prompts(ids: list[int], n: int, length: int) -> list[list[int]]:
     return [ids[(i * 97) % span:][:length] for i in range(n)]
 
 
-def run(quick: bool = False, *, model: str = "smollm2-135m", **overrides) -> dict:
-    """The benchmark (keyword overrides: the keys of `FULL`, e.g. `batch=16`)."""
-    from llmso_lab.models import load_model
-    from llmso_lab.quality import eval_token_ids, perplexity
+def _rows(found: dict, cfg: dict, ppl_ids: list[int], b1: dict, big: dict) -> tuple[list[dict], dict]:
+    """A table row per variant (perplexity measured here, the decode speeds `b1` and `big` given) and its raw
+    figures for the ratios: KV bytes per token, perplexity, both speeds and the bytes one big-batch step reads."""
+    from llmso_lab.quality import perplexity
 
-    unknown = set(overrides) - set(FULL)
-    if unknown:
-        raise ValueError(f"unknown settings {sorted(unknown)}; valid: {', '.join(FULL)}")
-    cfg = {**(QUICK if quick else FULL), **overrides}
-    t_start = time.perf_counter()
-    net, tok = load_model(model)
-    ids = eval_token_ids(tok)
-    ppl_ids = ids[:cfg["ppl_tokens"]]
-    b1_prompts = _prompts(ids, 1, cfg["b1_prompt"])
-    big_prompts = _prompts(ids, cfg["batch"], cfg["context"])
-    found = variants(net)
-    ref = next(k for k, (m, _) in found.items() if m is net)   # the model as trained (GQA for SmolLM2)
-    models = {kind: m for kind, (m, _) in found.items()}
-    b1 = decode_speeds(models, tok, b1_prompts, cfg["b1_tokens"])
-    gc.collect()
-    big = decode_speeds(models, tok, big_prompts, cfg["batch_tokens"])
-    gc.collect()
     big_key = f"decode_tok_s_batch{cfg['batch']}x{cfg['context']}"
     table, raw = [], {}
     for kind, (m, made) in found.items():
@@ -137,6 +119,12 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", **overrides) -> dic
             "batch_step_ms": round(big[kind]["step_ms"], 1), "batch_step_MB_read": round(read / 1e6, 1),
             "timed_steps": f"{b1[kind]['steps']} + {big[kind]['steps']}",
         })
+    return table, raw
+
+
+def _ratios(raw: dict, ref: str) -> dict:
+    """What fewer KV heads save (bytes, bytes read) and cost (perplexity, speed): MHA against the model as trained
+    (`ref`), and it against MQA."""
     ratios = {}
     for more, fewer in (("MHA", ref), (ref, "MQA")):   # the variant with more KV heads, the one with fewer
         if more in raw and fewer in raw and more != fewer:
@@ -145,19 +133,42 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", **overrides) -> dic
             ratios.update({f"kv_bytes_{saved}": a["kv"] / b["kv"], f"perplexity_{cost}": b["ppl"] / a["ppl"],
                            f"decode_batch1_{cost}": b["b1"] / a["b1"], f"decode_big_batch_{cost}": b["big"] / a["big"],
                            f"bytes_read_big_batch_{saved}": a["read"] / b["read"]})
-    ratios = {k: round(v, 3) for k, v in ratios.items()}
+    return harness.rounded(ratios)
+
+
+def run(quick: bool = False, *, model: str = "smollm2-135m", **overrides) -> dict:
+    """The benchmark (keyword overrides: the keys of `FULL`, e.g. `batch=16`)."""
+    from llmso_lab.models import load_model
+    from llmso_lab.quality import eval_token_ids
+
+    unknown = set(overrides) - set(FULL)
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}; valid: {', '.join(FULL)}")
+    cfg = {**(QUICK if quick else FULL), **overrides}
+    t_start = time.perf_counter()
+    net, tok = load_model(model)
+    ids = eval_token_ids(tok)
+    ppl_ids = ids[:cfg["ppl_tokens"]]
+    b1_prompts = _prompts(ids, 1, cfg["b1_prompt"])
+    big_prompts = _prompts(ids, cfg["batch"], cfg["context"])
+    found = variants(net)
+    ref = next(k for k, (m, _) in found.items() if m is net)   # the model as trained (GQA for SmolLM2)
+    models = {kind: m for kind, (m, _) in found.items()}
+    b1 = decode_speeds(models, tok, b1_prompts, cfg["b1_tokens"])
+    gc.collect()
+    big = decode_speeds(models, tok, big_prompts, cfg["batch_tokens"])
+    gc.collect()
+    table, raw = _rows(found, cfg, ppl_ids, b1, big)
     same = {k: big[k]["token_ids"] == big[ref]["token_ids"] for k in big if k != ref}
-    return {"name": "kv_heads", "table": table, "ratios": ratios, "device": _device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "llmso-lab bench kv-heads" + (" --quick" if quick else ""), "model": model,
-            "settings": cfg, "eval_text": {"file": "data/eval/eval_text.txt", "tokens": len(ids),
-                                           "scored_tokens": len(ppl_ids)},
-            "greedy_outputs_equal_to_as_trained": same,
-            "tables": {"KV sizing of real models (bf16 weights and cache; llmso_lab.models.shapes.kv_sizing_table)":
-                       kv_sizing_table()},
-            "wall_s": round(time.perf_counter() - t_start, 1),
-            "note": "MHA = exact copies of the KV heads (same logits); MQA = mean-pooled without uptraining, which "
-                    "Ainslie et al. (GQA, 2023) follow with ~5% of pre-training compute; engine in fp32, torch attention"}
+    return harness.result(
+        "kv_heads", quick, table=table, ratios=_ratios(raw, ref), model=model, settings=cfg,
+        eval_text={"file": "data/eval/eval_text.txt", "tokens": len(ids), "scored_tokens": len(ppl_ids)},
+        greedy_outputs_equal_to_as_trained=same,
+        tables={"KV sizing of real models (bf16 weights and cache; llmso_lab.models.shapes.kv_sizing_table)":
+                kv_sizing_table()},
+        wall_s=round(time.perf_counter() - t_start, 1),
+        note="MHA = exact copies of the KV heads (same logits); MQA = mean-pooled without uptraining, which "
+             "Ainslie et al. (GQA, 2023) follow with ~5% of pre-training compute; engine in fp32, torch attention")
 
 
 if __name__ == "__main__":  # pragma: no cover

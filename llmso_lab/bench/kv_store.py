@@ -15,11 +15,9 @@ sliding window matters; `--quick`: the first 1,024 tokens only and fewer variant
 """
 from __future__ import annotations
 
-import datetime
-
 from tqdm.auto import tqdm
 
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 
 RANKS_FULL, RANKS_QUICK = (16, 32, 64, 128, 192, 256, 320, 384), (32, 128, 384)
 
@@ -55,6 +53,16 @@ def mla_bytes() -> list[dict]:
     return rows
 
 
+def _layout_schemes(quick: bool) -> list[tuple[str, dict]]:
+    """(name, `share_kv` / `kv_bytes` arguments): the model as trained, cross-layer sharing, sliding windows."""
+    schemes = [("full (as trained)", {}), ("CLA pairs", {"share_every": 2}), ("window 256, all local", {"window": 256}),
+               ("window 256, every 2nd layer global", {"window": 256, "global_every": 2}),
+               ("window 256, every 3rd layer global", {"window": 256, "global_every": 3})]
+    if not quick:
+        schemes.insert(2, ("CLA triples", {"share_every": 3}))
+    return schemes
+
+
 def run(quick: bool = False) -> dict:
     from llmso_lab.hardware import kv_cache_bytes
     from llmso_lab.models import load_model
@@ -70,31 +78,22 @@ def run(quick: bool = False) -> dict:
     ppl = lambda m: perplexity(m, ids, window=1024)  # noqa: E731
     base_ppl = ppl(model)
     full_token = kv_cache_bytes(L, Hkv, D, 4, 1)
-    svd, layout = [], []
-    ranks = RANKS_QUICK if quick else RANKS_FULL
-    for r in tqdm(ranks, desc="svd ranks"):
-        svd.append({"rank": r, "perplexity": ppl(low_rank_kv(model, r)), "energy_kept": round(energy_kept(model, r), 4),
-                    "bytes_per_token_fp32": L * r * 4, "vs_full_kv": round(L * r * 4 / full_token, 3)})
-    schemes = [("full (as trained)", {}), ("CLA pairs", {"share_every": 2}), ("window 256, all local", {"window": 256}),
-               ("window 256, every 2nd layer global", {"window": 256, "global_every": 2}),
-               ("window 256, every 3rd layer global", {"window": 256, "global_every": 3})]
-    if not quick:
-        schemes.insert(2, ("CLA triples", {"share_every": 3}))
-    for name, kw in tqdm(schemes, desc="layouts"):
-        layout.append({"scheme": name, "perplexity": base_ppl if not kw else ppl(share_kv(model, **kw)),
-                       "kv_MB_8k": round(kv_bytes(L, Hkv, D, 8192, 4, **kw) / 1e6, 1),
-                       "kv_MB_32k": round(kv_bytes(L, Hkv, D, 32768, 4, **kw) / 1e6, 1)})
+    svd = [{"rank": r, "perplexity": ppl(low_rank_kv(model, r)), "energy_kept": round(energy_kept(model, r), 4),
+            "bytes_per_token_fp32": L * r * 4, "vs_full_kv": round(L * r * 4 / full_token, 3)}
+           for r in tqdm(RANKS_QUICK if quick else RANKS_FULL, desc="svd ranks")]
+    layout = [{"scheme": name, "perplexity": base_ppl if not kw else ppl(share_kv(model, **kw)),
+               "kv_MB_8k": round(kv_bytes(L, Hkv, D, 8192, 4, **kw) / 1e6, 1),
+               "kv_MB_32k": round(kv_bytes(L, Hkv, D, 32768, 4, **kw) / 1e6, 1)}
+              for name, kw in tqdm(_layout_schemes(quick), desc="layouts")]
     mqa = [{"mqa": "mean of the 3 KV heads (GQA init)", "perplexity": ppl(to_mqa(model))},
            {"mqa": "KV head 0 only", "perplexity": ppl(_mqa_keep_first(model))}]
     by_rank = {r["rank"]: r["perplexity"] for r in svd}
     by_scheme = {r["scheme"]: r["perplexity"] for r in layout}
-    return {
-        "name": "kv-store", "device": _device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "workload": {"model": "smollm2-135m", "eval_tokens": len(ids), "ppl_window": 1024},
-        "baseline_perplexity": base_ppl, "table": svd,
-        "tables": {"layouts: KV bytes and perplexity": layout, "MQA two ways": mqa, "MLA vs MHA/MQA (engine caches)": mla_bytes()},
-        "ratios": {**{f"ppl_rank{r}_over_full": by_rank[r] / base_ppl for r in by_rank},
-                   **{f"ppl_{k.replace(',', '').replace(' ', '_')}_over_full": v / base_ppl
-                      for k, v in by_scheme.items() if k != "full (as trained)"}},
-    }
+    return harness.result(   # no "command": the CLI records the command line it ran
+        "kv-store", None, workload={"model": "smollm2-135m", "eval_tokens": len(ids), "ppl_window": 1024},
+        baseline_perplexity=base_ppl, table=svd,
+        tables={"layouts: KV bytes and perplexity": layout, "MQA two ways": mqa,
+                "MLA vs MHA/MQA (engine caches)": mla_bytes()},
+        ratios={**{f"ppl_rank{r}_over_full": by_rank[r] / base_ppl for r in by_rank},
+                **{f"ppl_{k.replace(',', '').replace(' ', '_')}_over_full": v / base_ppl
+                   for k, v in by_scheme.items() if k != "full (as trained)"}})

@@ -20,13 +20,12 @@ Ratios (same run): `contiguous_waste` (max_model_len reservation, lifetime; the 
 """
 from __future__ import annotations
 
-import datetime
 import statistics
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 from llmso_lab.kv.fragmentation import engine_occupancy, max_batch, waste
 from llmso_lab.models.shapes import LLAMA3_8B
 from llmso_lab.workloads import load_chat_lengths
@@ -69,36 +68,23 @@ def engine_waste(model, lengths: list[tuple[int, int]], block_size: int, max_num
             "steps": llm.num_steps, "preemptions": llm.stats()["num_preemptions_total"]}
 
 
-def run(quick: bool = False, *, model: str = "tiny-llama", engine_requests: int | None = None,
-        engine_max_num_seqs: int | None = None, engine_block_sizes: tuple[int, ...] | None = None) -> dict:
-    """The fragmentation benchmark (quick=True: the engine runs 32 requests at block size 16 only)."""
-    from llmso_lab.models import load_model
-
-    cfg = dict(QUICK if quick else FULL)
-    for k, v in dict(engine_requests=engine_requests, engine_max_num_seqs=engine_max_num_seqs,
-                     engine_block_sizes=engine_block_sizes).items():
-        if v is not None:
-            cfg[k] = v
-    lengths, params = load_chat_lengths()
-    L, T = params["max_model_len"], params["max_tokens"]
+def _formula_rows(lengths, max_model_len: int, max_tokens: int) -> list[dict]:
+    """Per scheme (contiguous reserving max_model_len or prompt + max_tokens, paged per block size): the waste over
+    each sequence's lifetime and at its finish, and the largest batch `BUDGET_SLOTS` fits."""
     schemes = [("contiguous_max_len", None), ("contiguous_max_tokens", None)] + [("paged", b) for b in BLOCK_SIZES]
-    table = []
+    rows = []
     for scheme, bs in schemes:
-        kw = dict(max_model_len=L, max_tokens=T, block_size=bs)
-        table.append({"scheme": scheme, "block_size": bs or "-",
-                      "waste_lifetime": round(waste(lengths, scheme, **kw), 4),
-                      "waste_at_finish": round(waste(lengths, scheme, moment="at_finish", **kw), 4),
-                      "max_batch": max_batch(lengths, scheme, BUDGET_SLOTS, **kw)})
-    net, _ = load_model(model)
-    sample = lengths[:cfg["engine_requests"]]
-    engine = {}
-    for bs in cfg["engine_block_sizes"]:
-        engine[bs] = engine_waste(net, sample, bs, cfg["engine_max_num_seqs"], L, desc=f"engine, block {bs}")
-        table.append({"scheme": "paged: engine", "block_size": bs, "requests": len(sample),
-                      "waste_lifetime": round(waste(sample, "paged", block_size=bs), 4),
-                      "engine_all_steps": round(engine[bs]["all_steps"], 4),
-                      "engine_mean": round(engine[bs]["mean"], 4), "engine_peak": round(engine[bs]["peak"], 4),
-                      "steps": engine[bs]["steps"], "preemptions": engine[bs]["preemptions"]})
+        kw = dict(max_model_len=max_model_len, max_tokens=max_tokens, block_size=bs)
+        rows.append({"scheme": scheme, "block_size": bs or "-",
+                     "waste_lifetime": round(waste(lengths, scheme, **kw), 4),
+                     "waste_at_finish": round(waste(lengths, scheme, moment="at_finish", **kw), 4),
+                     "max_batch": max_batch(lengths, scheme, BUDGET_SLOTS, **kw)})
+    return rows
+
+
+def _ratios(table: list[dict], engine: dict) -> dict:
+    """Contiguous against paged (block 16): waste (formula; the engine's mean and peak where it ran block 16) and
+    the largest batch the budget fits."""
     row = {(r["scheme"], r["block_size"]): r for r in table}
     cont, cont_t, paged16 = row["contiguous_max_len", "-"], row["contiguous_max_tokens", "-"], row["paged", 16]
     ratios = {"contiguous_waste": cont["waste_lifetime"], "contiguous_max_tokens_waste": cont_t["waste_lifetime"],
@@ -109,19 +95,41 @@ def run(quick: bool = False, *, model: str = "tiny-llama", engine_requests: int 
     ratios.update(max_batch_contiguous=cont["max_batch"], max_batch_contiguous_max_tokens=cont_t["max_batch"],
                   max_batch_paged_block16=paged16["max_batch"],
                   batch_gain_paged16_over_contiguous=round(paged16["max_batch"] / cont["max_batch"], 2))
-    return {"name": "paged", "table": table, "ratios": ratios, "device": _device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "llmso-lab bench paged" + (" --quick" if quick else ""), "model": model,
-            "workload": {"file": "data/workloads/chat_lengths.json", "requests": len(lengths), **params,
-                         "mean_prompt_len": round(statistics.fmean(p for p, _ in lengths), 1),
-                         "mean_output_len": round(statistics.fmean(o for _, o in lengths), 1)},
-            "budget_slots": BUDGET_SLOTS,
-            "budget_note": f"{BUDGET_SLOTS} token slots = "
-                           f"{BUDGET_SLOTS * LLAMA3_8B.kv_bytes_per_token(2) / 2**30:.0f} GiB of KV for Llama-3-8B in bf16",
-            "engine": {**{k: v for k, v in cfg.items() if k != "engine_block_sizes"},
-                       "block_sizes": list(cfg["engine_block_sizes"])},
-            "note": "waste = 1 - tokens stored / slots reserved; lifetime: over every state each sequence passes "
-                    "through (see llmso_lab.kv.fragmentation); counts, not timings"}
+    return ratios
+
+
+def run(quick: bool = False, *, model: str = "tiny-llama", engine_requests: int | None = None,
+        engine_max_num_seqs: int | None = None, engine_block_sizes: tuple[int, ...] | None = None) -> dict:
+    """The fragmentation benchmark (quick=True: the engine runs 32 requests at block size 16 only)."""
+    from llmso_lab.models import load_model
+
+    cfg = harness.overridden(QUICK if quick else FULL, engine_requests=engine_requests,
+                             engine_max_num_seqs=engine_max_num_seqs, engine_block_sizes=engine_block_sizes)
+    lengths, params = load_chat_lengths()
+    L, T = params["max_model_len"], params["max_tokens"]
+    table = _formula_rows(lengths, L, T)
+    net, _ = load_model(model)
+    sample = lengths[:cfg["engine_requests"]]
+    engine = {}
+    for bs in cfg["engine_block_sizes"]:
+        engine[bs] = engine_waste(net, sample, bs, cfg["engine_max_num_seqs"], L, desc=f"engine, block {bs}")
+        table.append({"scheme": "paged: engine", "block_size": bs, "requests": len(sample),
+                      "waste_lifetime": round(waste(sample, "paged", block_size=bs), 4),
+                      "engine_all_steps": round(engine[bs]["all_steps"], 4),
+                      "engine_mean": round(engine[bs]["mean"], 4), "engine_peak": round(engine[bs]["peak"], 4),
+                      "steps": engine[bs]["steps"], "preemptions": engine[bs]["preemptions"]})
+    return harness.result(
+        "paged", quick, table=table, ratios=_ratios(table, engine), model=model,
+        workload={"file": "data/workloads/chat_lengths.json", "requests": len(lengths), **params,
+                  "mean_prompt_len": round(statistics.fmean(p for p, _ in lengths), 1),
+                  "mean_output_len": round(statistics.fmean(o for _, o in lengths), 1)},
+        budget_slots=BUDGET_SLOTS,
+        budget_note=f"{BUDGET_SLOTS} token slots = "
+                    f"{BUDGET_SLOTS * LLAMA3_8B.kv_bytes_per_token(2) / 2**30:.0f} GiB of KV for Llama-3-8B in bf16",
+        engine={**{k: v for k, v in cfg.items() if k != "engine_block_sizes"},
+                "block_sizes": list(cfg["engine_block_sizes"])},
+        note="waste = 1 - tokens stored / slots reserved; lifetime: over every state each sequence passes "
+             "through (see llmso_lab.kv.fragmentation); counts, not timings")
 
 
 if __name__ == "__main__":  # pragma: no cover

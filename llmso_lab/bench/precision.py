@@ -23,17 +23,14 @@ Each row names its `linear_kernel` (which matmul path ran: oneDNN's packed bf16 
 """
 from __future__ import annotations
 
-import datetime
 import math
-import os
 import statistics
 
 import torch
 from tqdm.auto import tqdm
 
 from llmso_lab import hardware as hw
-from llmso_lab.bench import batching
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import batching, harness
 
 __all__ = ["run", "greedy_agreement", "roofline_share"]
 
@@ -165,70 +162,75 @@ def _chat_agreement(tokenizer, engines: dict, hf: dict, n_prompts: int, new_toke
     return {k: greedy_agreement(*v) for k, v in pairs.items()}
 
 
-def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, ...] | None = None,
-        measure_seconds: float | None = None, **overrides) -> dict:
-    """Run the precision benchmark (quick=True: a smaller workload, a few minutes on 2 cores).
-
-    `dtypes`: default float32 and bfloat16, plus float16 where this CPU's flags say it multiplies it natively
-    (flags are not speed: AVX512-FP16 CPUs still run the engine's fp16 slower than fp32 here). `overrides`
-    replace entries of FULL/QUICK (the tests use `model="tiny-llama"` and tiny sizes)."""
-    from llmso_lab.engine import LLM
-    from llmso_lab.models import load_model
-    from llmso_lab.models.shapes import ModelShape
-    from llmso_lab.workloads import Request, latency_summary
-
-    cfg = {**(QUICK if quick else FULL), **overrides}
-    native = {torch.bfloat16: hw.native_matmul(torch.bfloat16, "cpu"), torch.float16: hw.native_matmul(torch.float16, "cpu")}
-    if dtypes is None:
-        dtypes = ("float32", "bfloat16") + (("float16",) if native[torch.float16][0] else ())
-    assert dtypes[0] == "float32", "fp32 is the reference every ratio and agreement is measured against"
-    net, tokenizer = load_model(model)   # fp32; each engine casts its own copy of the weights
-    shape = ModelShape.from_hf_config(net.config, name=model)
-    vocab, w = net.config.vocab_size, cfg["workload"]
+def _inputs(net, cfg: dict) -> dict:
+    """The seeded inputs: one long prompt per prefill length, `decode_batch` 32-token prompts, the continuous
+    workload's requests and prompts, and the engines' max_model_len (micro runs; the workload's, as in
+    `bench batching`)."""
+    vocab, w, limit = net.config.vocab_size, cfg["workload"], net.config.max_position_embeddings
     g = torch.Generator().manual_seed(0)
     long_prompts = {n: torch.randint(3, vocab, (n,), generator=g).tolist() for n in cfg["prefill_lens"]}
     short = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(cfg["decode_batch"])]
     reqs, prompts = batching.workload(w["num_requests"], w["prompt_len"], w["output_len"], vocab)
-    B = w["max_num_seqs"]
-    limit = net.config.max_position_embeddings
-    max_model_len = min(limit, w["prompt_len"][1] + w["output_len"][1] + 16)    # the continuous workload's, as there
-    micro_len = min(limit, max(max(cfg["prefill_lens"]), 64 + cfg["chat_tokens"], 32 + cfg["decode_tokens"]) + 1)
-    seconds = measure_seconds if measure_seconds is not None else (1.0 if quick else 3.0)
-    cpu, matmul_s = hw.measure_cpu(seconds=seconds), seconds / 2   # fp32 ceiling and copy bandwidth
+    return {"long_prompts": long_prompts, "short": short, "reqs": reqs, "prompts": prompts,
+            "max_model_len": min(limit, w["prompt_len"][1] + w["output_len"][1] + 16),
+            "micro_len": min(limit, max(max(cfg["prefill_lens"]), 64 + cfg["chat_tokens"],
+                                        32 + cfg["decode_tokens"]) + 1)}
+
+
+def _micro_rows(net, tokenizer, dtypes, cfg: dict, inputs: dict) -> tuple[list[dict], dict, dict]:
+    """One engine per dtype: prefill tokens/s per prompt length, decode tokens/s at batch 1 and `decode_batch`.
+    Returns (a row per dtype, the fp32 and bf16 engines (for the chat agreement), each engine's torch dtype)."""
+    from llmso_lab.engine import LLM
+
     rows, engines, dts = [], {}, {}
+    long, short, reps, micro_len = inputs["long_prompts"], inputs["short"], cfg["repeats"], inputs["micro_len"]
     for name in tqdm(dtypes, desc="bench precision"):
         llm = LLM(net, tokenizer, dtype=name, max_num_seqs=cfg["decode_batch"], max_model_len=micro_len,
                   max_num_batched_tokens=max(2048, micro_len))
-        if name in ("float32", "bfloat16"):   # kept for the chat agreement below
+        if name in ("float32", "bfloat16"):   # kept for the chat agreement
             engines[name] = llm
         dts[name] = llm.dtype
-        _prefill_tok_s(llm, long_prompts[cfg["prefill_lens"][0]], 1)   # warm-up: first-call allocations
+        _prefill_tok_s(llm, long[cfg["prefill_lens"][0]], 1)   # warm-up: first-call allocations
         row = {"dtype": name, "linear_kernel": _linear_kernel(llm)}
         for n in cfg["prefill_lens"]:
-            row[f"prefill_{n}_tok_s"] = round(_prefill_tok_s(llm, long_prompts[n], cfg["repeats"]), 1)
-        row["decode_b1_tok_s"] = round(_decode_tok_s(llm, short[:1], cfg["decode_tokens"], cfg["repeats"]), 1)
-        row[f"decode_b{cfg['decode_batch']}_tok_s"] = round(_decode_tok_s(llm, short, cfg["decode_tokens"], cfg["repeats"]), 1)
+            row[f"prefill_{n}_tok_s"] = round(_prefill_tok_s(llm, long[n], reps), 1)
+        row["decode_b1_tok_s"] = round(_decode_tok_s(llm, short[:1], cfg["decode_tokens"], reps), 1)
+        row[f"decode_b{cfg['decode_batch']}_tok_s"] = round(_decode_tok_s(llm, short, cfg["decode_tokens"], reps), 1)
         rows.append(row)
-    # The batching bench's continuous workload, on a fresh engine each time as there (warmed up on a full batch
-    # first). The dtypes alternate round by round (fp32, bf16, ..., fp32, bf16, ...): a machine whose speed drifts
-    # during the run (a shared host) then slows every dtype alike, and each round gives a paired ratio.
-    warm = [Request(i, 0.0, len(p), 2) for i, p in enumerate(prompts[:B])]
-    by_round, outputs = [], {}
-    for r in range(cfg["workload_rounds"]):
-        for name in tqdm(dtypes, desc=f"continuous workload, round {r + 1}/{cfg['workload_rounds']}"):
-            batching._engine(net, tokenizer, "continuous", warm, prompts[:B], B, max_model_len, dtype=name)
-            cont, outs, traces = batching._engine(net, tokenizer, "continuous", reqs, prompts, B, max_model_len, dtype=name)
-            t = latency_summary([o.metrics for o in outs], (50, 99))["ttft_s"]   # unrounded (the row rounds to 10 ms)
-            tokens = [o.outputs[0].token_ids for o in outs]
-            outputs.setdefault(name, tokens)   # round 1's; greedy should repeat them, and each round says whether it did
-            by_round.append({"round": r + 1, "dtype": name, "continuous_tok_s": cont["output_tok_s"],
-                             "ttft_p50_s": t["p50"], "ttft_p99_s": t["p99"], **step_split(traces),
-                             "same_tokens_as_round_1": tokens == outputs[name]})
-    paired = paired_rounds(by_round)
-    best = {name: max((x for x in by_round if x["dtype"] == name), key=lambda x: x["continuous_tok_s"]) for name in dtypes}
+    return rows, engines, dts
+
+
+def _continuous_rounds(net, tokenizer, dtypes, inputs: dict, max_num_seqs: int, rounds: int) -> tuple[list[dict], dict]:
+    """The batching bench's continuous workload, on a fresh engine each time as there (warmed up on a full batch
+    first), the dtypes alternating round by round (fp32, bf16, ..., fp32, bf16, ...): a machine whose speed drifts
+    during the run (a shared host) then slows every dtype alike, and each round gives a paired ratio.
+    Returns (a row per round and dtype, round 1's output tokens per dtype)."""
+    from llmso_lab.workloads import latency_summary
+
+    B, prompts, max_model_len, outputs = max_num_seqs, inputs["prompts"], inputs["max_model_len"], {}
+
+    def measure(name: str, r: int) -> dict:
+        batching.warm_up(net, tokenizer, prompts, B, max_model_len, name)
+        cont, outs, traces = batching._engine(net, tokenizer, "continuous", inputs["reqs"], prompts, B, max_model_len,
+                                              dtype=name)
+        t = latency_summary([o.metrics for o in outs], (50, 99))["ttft_s"]   # unrounded (the row rounds to 10 ms)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        outputs.setdefault(name, tokens)   # round 1's; greedy should repeat them, and each round says whether it did
+        return {"round": r, "dtype": name, "continuous_tok_s": cont["output_tok_s"], "ttft_p50_s": t["p50"],
+                "ttft_p99_s": t["p99"], **step_split(traces), "same_tokens_as_round_1": tokens == outputs[name]}
+    by_round = list(harness.alternate(rounds, dtypes, measure, desc="continuous workload").values())
+    return by_round, outputs
+
+
+def _workload_columns(rows: list[dict], by_round: list[dict], outputs: dict, dts: dict, native: dict, cpu,
+                      matmul_s: float, shape, inputs: dict, max_num_seqs: int) -> None:
+    """Each dtype's row gets its best round of the continuous workload, its greedy agreement with fp32 there, and
+    that throughput's share of the workload's roofline bound at this dtype's matmul ceiling (measured now)."""
+    reqs = inputs["reqs"]
     for row in rows:
         name = row["dtype"]
-        dt, b = dts[name], best[name]
+        dt = dts[name]
+        b = max((t for t in by_round if t["dtype"] == name), key=lambda t: t["continuous_tok_s"])   # best round
         row.update(continuous_tok_s=b["continuous_tok_s"], ttft_p50_s=round(b["ttft_p50_s"], 3),
                    ttft_p99_s=round(b["ttft_p99_s"], 3))
         agree = greedy_agreement(outputs["float32"], outputs[name])
@@ -237,47 +239,80 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
                    first_divergence_median=statistics.median(divergent) if divergent else "-")
         peak = cpu.peak_flops if dt == torch.float32 else hw.measure_matmul(dt, matmul_s)   # this dtype's ceiling
         bound, share = roofline_share(b["continuous_tok_s"], [r.prompt_len for r in reqs], [r.output_len for r in reqs],
-                                      B, shape, dt.itemsize, peak, cpu.mem_bandwidth)
+                                      max_num_seqs, shape, dt.itemsize, peak, cpu.mem_bandwidth)
         row.update(matmul_TFLOP_s=round(peak / 1e12, 3), roofline_bound_tok_s=round(bound, 1),
                    roofline_share=round(share, 3),
                    cpu_flags="-" if dt == torch.float32 else ("native" if native[dt][0] else "none (emulated)"))
+
+
+def _ratios(rows: list[dict], paired: list[dict], chat: dict, cfg: dict) -> dict:
+    """bf16 against fp32 (empty without a bf16 row): each figure of the table, the worst paired round of the
+    continuous workload, and the chat agreement."""
+    by = {r["dtype"]: r for r in rows}
+    if "bfloat16" not in by:
+        return {}
+    f, b, n0, bb = by["float32"], by["bfloat16"], cfg["prefill_lens"], f"decode_b{cfg['decode_batch']}_tok_s"
+    ratios = {"bf16_vs_fp32_prefill": b[f"prefill_{n0[0]}_tok_s"] / f[f"prefill_{n0[0]}_tok_s"],
+              **{f"bf16_vs_fp32_prefill_{n}": b[f"prefill_{n}_tok_s"] / f[f"prefill_{n}_tok_s"] for n in n0[1:]},
+              "bf16_vs_fp32_batch1": b["decode_b1_tok_s"] / f["decode_b1_tok_s"],
+              f"bf16_vs_fp32_batch{cfg['decode_batch']}": b[bb] / f[bb],
+              "bf16_vs_fp32_continuous_throughput": b["continuous_tok_s"] / f["continuous_tok_s"],
+              "fp32_over_bf16_ttft_p50": f["ttft_p50_s"] / b["ttft_p50_s"],
+              "fp32_over_bf16_ttft_p99": f["ttft_p99_s"] / b["ttft_p99_s"],
+              "bf16_tokens_equal_vs_fp32": b["tokens_equal_vs_fp32"]}
+    bf16_rounds = [x for x in paired if x["dtype"] == "bfloat16"]
+    ratios["bf16_vs_fp32_continuous_throughput_worst_round"] = min(x["vs_fp32_tok_s"] for x in bf16_rounds)
+    ratios["fp32_over_bf16_ttft_p50_worst_round"] = min(x["fp32_over_this_ttft_p50"] for x in bf16_rounds)
+    if chat:   # real chat prompts: far fewer near-ties than the workload's random-token prompts
+        ratios["bf16_chat_tokens_equal_vs_fp32"] = chat["engine bf16 vs engine fp32"]["tokens_equal"]
+    return harness.rounded(ratios)
+
+
+def _targets(ratios: dict) -> dict:
+    """The lecture's claims for bf16 over fp32, met or not in this run."""
+    return {"continuous throughput >= 1.5x fp32": ratios.get("bf16_vs_fp32_continuous_throughput", 0) >= 1.5,
+            "TTFT p50 >= 1.5x lower": ratios.get("fp32_over_bf16_ttft_p50", 0) >= 1.5,
+            "both, in every round": min(ratios.get("bf16_vs_fp32_continuous_throughput_worst_round", 0),
+                                        ratios.get("fp32_over_bf16_ttft_p50_worst_round", 0)) >= 1.5}
+
+
+def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, ...] | None = None,
+        measure_seconds: float | None = None, **overrides) -> dict:
+    """Run the precision benchmark (quick=True: a smaller workload, a few minutes on 2 cores).
+
+    `dtypes`: default float32 and bfloat16, plus float16 where this CPU's flags say it multiplies it natively
+    (flags are not speed: AVX512-FP16 CPUs still run the engine's fp16 slower than fp32 here). `overrides`
+    replace entries of FULL/QUICK (the tests use `model="tiny-llama"` and tiny sizes)."""
+    from llmso_lab.models import load_model
+    from llmso_lab.models.shapes import ModelShape
+
+    cfg = {**(QUICK if quick else FULL), **overrides}
+    native = {torch.bfloat16: hw.native_matmul(torch.bfloat16, "cpu"), torch.float16: hw.native_matmul(torch.float16, "cpu")}
+    if dtypes is None:
+        dtypes = ("float32", "bfloat16") + (("float16",) if native[torch.float16][0] else ())
+    assert dtypes[0] == "float32", "fp32 is the reference every ratio and agreement is measured against"
+    net, tokenizer = load_model(model)   # fp32; each engine casts its own copy of the weights
+    shape = ModelShape.from_hf_config(net.config, name=model)
+    inputs, B = _inputs(net, cfg), cfg["workload"]["max_num_seqs"]
+    seconds = measure_seconds if measure_seconds is not None else (1.0 if quick else 3.0)
+    cpu, matmul_s = hw.measure_cpu(seconds=seconds), seconds / 2   # fp32 ceiling and copy bandwidth
+    rows, engines, dts = _micro_rows(net, tokenizer, dtypes, cfg, inputs)
+    by_round, outputs = _continuous_rounds(net, tokenizer, dtypes, inputs, B, cfg["workload_rounds"])
+    paired = paired_rounds(by_round)
+    _workload_columns(rows, by_round, outputs, dts, native, cpu, matmul_s, shape, inputs, B)
     chat = {}
     if "bfloat16" in engines and tokenizer is not None:
         hf = {"float32": net, "bfloat16": load_model(model, dtype=torch.bfloat16)[0]}
         chat = _chat_agreement(tokenizer, {d: engines[d] for d in ("float32", "bfloat16")}, hf,
                                cfg["chat_prompts"], cfg["chat_tokens"])
-    by = {r["dtype"]: r for r in rows}
-    ratios = {}
-    if "bfloat16" in by:
-        f, b, n0, bb = by["float32"], by["bfloat16"], cfg["prefill_lens"], f"decode_b{cfg['decode_batch']}_tok_s"
-        ratios = {"bf16_vs_fp32_prefill": b[f"prefill_{n0[0]}_tok_s"] / f[f"prefill_{n0[0]}_tok_s"],
-                  **{f"bf16_vs_fp32_prefill_{n}": b[f"prefill_{n}_tok_s"] / f[f"prefill_{n}_tok_s"] for n in n0[1:]},
-                  "bf16_vs_fp32_batch1": b["decode_b1_tok_s"] / f["decode_b1_tok_s"],
-                  f"bf16_vs_fp32_batch{cfg['decode_batch']}": b[bb] / f[bb],
-                  "bf16_vs_fp32_continuous_throughput": b["continuous_tok_s"] / f["continuous_tok_s"],
-                  "fp32_over_bf16_ttft_p50": f["ttft_p50_s"] / b["ttft_p50_s"],
-                  "fp32_over_bf16_ttft_p99": f["ttft_p99_s"] / b["ttft_p99_s"],
-                  "bf16_tokens_equal_vs_fp32": b["tokens_equal_vs_fp32"]}
-        bf16_rounds = [x for x in paired if x["dtype"] == "bfloat16"]
-        ratios["bf16_vs_fp32_continuous_throughput_worst_round"] = min(x["vs_fp32_tok_s"] for x in bf16_rounds)
-        ratios["fp32_over_bf16_ttft_p50_worst_round"] = min(x["fp32_over_this_ttft_p50"] for x in bf16_rounds)
-        if chat:   # real chat prompts: far fewer near-ties than the workload's random-token prompts
-            ratios["bf16_chat_tokens_equal_vs_fp32"] = chat["engine bf16 vs engine fp32"]["tokens_equal"]
-        ratios = {k: round(v, 3) for k, v in ratios.items()}
-    return {"name": "precision", "table": rows, "ratios": ratios, "device": _device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "llmso-lab bench precision" + (" --quick" if quick else ""), "model": model,
-            "workload": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
-            "targets": {"continuous throughput >= 1.5x fp32": ratios.get("bf16_vs_fp32_continuous_throughput", 0) >= 1.5,
-                        "TTFT p50 >= 1.5x lower": ratios.get("fp32_over_bf16_ttft_p50", 0) >= 1.5,
-                        "both, in every round": min(ratios.get("bf16_vs_fp32_continuous_throughput_worst_round", 0),
-                                                    ratios.get("fp32_over_bf16_ttft_p50_worst_round", 0)) >= 1.5},
-            "tables": {"continuous workload, round by round (the dtypes alternate)": [
-                {k: round(v, 3) if isinstance(v, float) else v for k, v in x.items()} for x in paired]},
-            "chat_agreement": chat, "cpu_flags": {str(d)[6:]: why for d, (_, why) in native.items()},
-            "auto_dtype": hw.auto_dtype("cpu")[1], "memory_bandwidth_GB_s": round(cpu.mem_bandwidth / 1e9, 2),
-            "load_avg": [round(x, 2) for x in os.getloadavg()],
-            "note": "CPU figures; the machine may be shared with other jobs (see load_avg)."}
+    ratios = _ratios(rows, paired, chat, cfg)
+    return harness.result(
+        "precision", quick, table=rows, ratios=ratios, model=model, workload=harness.lists(cfg),
+        targets=_targets(ratios),
+        tables={"continuous workload, round by round (the dtypes alternate)": harness.rounded(paired)},
+        chat_agreement=chat, cpu_flags={str(d)[6:]: why for d, (_, why) in native.items()},
+        auto_dtype=hw.auto_dtype("cpu")[1], memory_bandwidth_GB_s=round(cpu.mem_bandwidth / 1e9, 2),
+        **harness.shared_cpu())
 
 
 if __name__ == "__main__":  # pragma: no cover

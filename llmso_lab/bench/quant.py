@@ -23,7 +23,6 @@ torchao's weight-only configs and measures `generate` and perplexity the same wa
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import statistics
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 
 __all__ = ["run", "FULL", "QUICK", "chat_prompts", "SCHEMES"]
 
@@ -116,43 +115,29 @@ def schemes() -> list[tuple[str, str | None, int, object, object]]:
     return rows + [("int4 g64 AWQ", "int4-g64", 4, 64, lambda m, c: awq_fold_for_engine(m, c, 4, 64))]
 
 
-def run(quick: bool = False, *, peer: bool = True, **overrides) -> dict:
-    """The benchmark (keyword overrides: the keys of `FULL`)."""
+def _quality_rows(model, todo, ids, calib, window: int) -> tuple[dict, dict, dict]:
+    """Per scheme: the model it runs (AWQ folds scales into a copy), its `LLM` keyword arguments, and a row with the
+    perplexity of the weights its kernels multiply by (`dequantized_copy`)."""
     from tqdm.auto import tqdm
 
-    from llmso_lab.bench.kv_heads import decode_speeds
-    from llmso_lab.engine import LLM
-    from llmso_lab.models import load_model
-    from llmso_lab.quality import calibration_token_ids, eval_token_ids, perplexity
+    from llmso_lab.quality import perplexity
     from llmso_lab.quant.weight_only import dequantized_copy
 
-    cfg = {**(QUICK if quick else FULL), **overrides}
-    model, tok = load_model("smollm2-135m")
-    ids = eval_token_ids(tok, cfg["ppl_tokens"])
-    calib = calibration_token_ids(tok, 512)
-    prompts = chat_prompts(tok, cfg["batch"])
-    long_prompt = (ids * 2)[:cfg["prefill"]]
-    todo = schemes()
     models, kwargs, rows = {}, {}, {}
     for label, q, bits, group, transform in tqdm(todo, desc="quantize + perplexity"):
         m = model if transform is None else transform(copy.deepcopy(model), calib)
         models[label], kwargs[label] = m, {"quantization": q}
         hf = m if q is None else dequantized_copy(m, *_method_group(q))
         rows[label] = {"scheme": label, "bits": bits, "group": group,
-                       "ppl": round(perplexity(hf, ids, window=cfg["ppl_window"]), 3)}
+                       "ppl": round(perplexity(hf, ids, window=window), 3)}
         del hf
-    b1 = decode_speeds(models, tok, prompts[:1], cfg["b1_tokens"], kwargs)
-    bB = decode_speeds(models, tok, prompts, cfg["new_tokens"], kwargs)
-    for label, q, *_ in todo:
-        llm = LLM(models[label], tok, max_num_seqs=1, max_model_len=cfg["prefill"] + 8, quantization=q)
-        rows[label].update(weight_MB=round(_weight_bytes(llm.model_runner) / 1e6, 1),
-                           b1_tok_s=round(b1[label]["tok_s"], 1), **{f"b{cfg['batch']}_tok_s": round(bB[label]["tok_s"], 1)},
-                           matmuls_b1_ms=round(_matmuls_ms(llm.model_runner), 2),
-                           prefill_ms=round(_prefill_ms(llm, long_prompt, cfg["repeats"]), 1))
-        del llm
-    table = list(rows.values())
-    fp, B = rows["fp32"], cfg["batch"]
-    ratios = {}
+    return models, kwargs, rows
+
+
+def _ratios(rows: dict, B: int) -> dict:
+    """Each RTN scheme over fp32 (speeds at batch 1 and `B`, perplexity, bytes) and AWQ over RTN at the same bits and
+    group."""
+    fp, ratios = rows["fp32"], {}
     for key, label in (("int8", "int8 per-channel"), ("int4", "int4 g32 RTN"), ("int4_g64", "int4 g64 RTN")):
         r = rows[label]
         ratios[f"{key}_vs_fp32_batch1"] = round(r["b1_tok_s"] / fp["b1_tok_s"], 3)
@@ -165,24 +150,56 @@ def run(quick: bool = False, *, peer: bool = True, **overrides) -> dict:
         if "AWQ" in label:   # AWQ against RTN at the same bits and group
             rtn = rows[label.replace("AWQ", "RTN")]
             ratios[f"{label.replace(' ', '_').lower()}_ppl_over_rtn"] = round(rows[label]["ppl"] / rtn["ppl"], 4)
-    result = {"name": "quant", "device": _device_name(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "llmso-lab bench quant" + (" --quick" if quick else ""), "config": cfg,
-              "eval_tokens": len(ids), "table": table, "ratios": ratios, "tables": {}}
+    return ratios
+
+
+def _add_peer(result: dict, quick: bool, fp: dict, B: int) -> None:
+    """Run the torchao peer and add its table, versions and ratios to `result` (its quantized HF model over HF fp32;
+    our fp32 engine's row `fp` over HF fp32)."""
+    got = _peer(quick)
+    ratios = result["ratios"]
+    peer_rows = got.get("rows") or [{"scheme": "torchao", "status": got.get("error")}]
+    result["tables"]["torchao peer (Hugging Face generate)"] = peer_rows
+    result["peer_versions"] = {k: got[k] for k in ("torch", "torchao", "ppl_tokens") if k in got}
+    base = next((r for r in peer_rows if r["scheme"] == "HF fp32" and "ppl" in r), None)
+    for r in peer_rows:
+        key = "torchao_int8" if "int8" in r["scheme"] else "torchao_int4" if "Prototype" in r["scheme"] else None
+        if base and key and "ppl" in r:
+            ratios[f"{key}_vs_fp32_batch1"] = round(r["b1_tok_s"] / base["b1_tok_s"], 3)
+            ratios[f"{key}_vs_fp32_batch{B}"] = round(r[f"b{B}_tok_s"] / base[f"b{B}_tok_s"], 3)
+            ratios[f"{key}_ppl_over_fp32"] = round(r["ppl"] / base["ppl"], 4)
+    if base:   # our engine against HF generate, both fp32, same run
+        ratios["engine_fp32_vs_hf_fp32_batch1"] = round(fp["b1_tok_s"] / base["b1_tok_s"], 3)
+
+
+def run(quick: bool = False, *, peer: bool = True, **overrides) -> dict:
+    """The benchmark (keyword overrides: the keys of `FULL`)."""
+    from llmso_lab.bench.kv_heads import decode_speeds
+    from llmso_lab.engine import LLM
+    from llmso_lab.models import load_model
+    from llmso_lab.quality import calibration_token_ids, eval_token_ids
+
+    cfg = {**(QUICK if quick else FULL), **overrides}
+    model, tok = load_model("smollm2-135m")
+    ids = eval_token_ids(tok, cfg["ppl_tokens"])
+    calib = calibration_token_ids(tok, 512)
+    prompts = chat_prompts(tok, cfg["batch"])
+    long_prompt = (ids * 2)[:cfg["prefill"]]
+    todo = schemes()
+    models, kwargs, rows = _quality_rows(model, todo, ids, calib, cfg["ppl_window"])
+    b1 = decode_speeds(models, tok, prompts[:1], cfg["b1_tokens"], kwargs)
+    bB = decode_speeds(models, tok, prompts, cfg["new_tokens"], kwargs)
+    for label, q, *_ in todo:
+        llm = LLM(models[label], tok, max_num_seqs=1, max_model_len=cfg["prefill"] + 8, quantization=q)
+        rows[label].update(weight_MB=round(_weight_bytes(llm.model_runner) / 1e6, 1),
+                           b1_tok_s=round(b1[label]["tok_s"], 1), **{f"b{cfg['batch']}_tok_s": round(bB[label]["tok_s"], 1)},
+                           matmuls_b1_ms=round(_matmuls_ms(llm.model_runner), 2),
+                           prefill_ms=round(_prefill_ms(llm, long_prompt, cfg["repeats"]), 1))
+        del llm
+    result = harness.result("quant", quick, config=cfg, eval_tokens=len(ids), table=list(rows.values()),
+                            ratios=_ratios(rows, cfg["batch"]), tables={})
     if peer:
-        got = _peer(quick)
-        peer_rows = got.get("rows") or [{"scheme": "torchao", "status": got.get("error")}]
-        result["tables"]["torchao peer (Hugging Face generate)"] = peer_rows
-        result["peer_versions"] = {k: got[k] for k in ("torch", "torchao", "ppl_tokens") if k in got}
-        base = next((r for r in peer_rows if r["scheme"] == "HF fp32" and "ppl" in r), None)
-        for r in peer_rows:
-            key = "torchao_int8" if "int8" in r["scheme"] else "torchao_int4" if "Prototype" in r["scheme"] else None
-            if base and key and "ppl" in r:
-                ratios[f"{key}_vs_fp32_batch1"] = round(r["b1_tok_s"] / base["b1_tok_s"], 3)
-                ratios[f"{key}_vs_fp32_batch{B}"] = round(r[f"b{B}_tok_s"] / base[f"b{B}_tok_s"], 3)
-                ratios[f"{key}_ppl_over_fp32"] = round(r["ppl"] / base["ppl"], 4)
-        if base:   # our engine against HF generate, both fp32, same run
-            ratios["engine_fp32_vs_hf_fp32_batch1"] = round(fp["b1_tok_s"] / base["b1_tok_s"], 3)
+        _add_peer(result, quick, rows["fp32"], cfg["batch"])
     return result
 
 

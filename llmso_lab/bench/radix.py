@@ -18,12 +18,11 @@ it can miss up to 15 tokens that a radix tree finds; the difference is bounded b
 """
 from __future__ import annotations
 
-import datetime
 import time
 
 from tqdm.auto import tqdm
 
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 from llmso_lab.bench.prefix import QUESTIONS, SYSTEM, _pct
 
 EXAMPLE = "Q: {q}\nA: The answer depends on the block table, the batch and the cache; here it is {i}.\n"
@@ -91,11 +90,8 @@ def _chat_grow(tokenizer, turns: int):
     return grow
 
 
-def run(quick: bool = False) -> dict:
-    from llmso_lab.engine import LLM
-    from llmso_lab.models import load_model
-
-    model, tok = load_model("smollm2-135m")
+def _workloads(tok, quick: bool) -> tuple[dict, dict]:
+    """{name: (rounds of prompts, grow or None)} for the four workloads, and their sizes for the JSON."""
     n_few, n_sys, sys_len, n_chat, turns, max_tokens = (8, 8, 256, 2, 3, 8) if quick else (16, 16, 512, 4, 4, 16)
     task = _tok(tok, SYSTEM + "Task: plan the KV-cache budget for a chat service. ")
     chat = [_tok(tok, f"System: you are a helpful assistant.\nUser: {QUESTIONS[i]}\nAssistant:") for i in range(n_chat)]
@@ -105,18 +101,13 @@ def run(quick: bool = False) -> dict:
         "multi_turn": ([chat], _chat_grow(tok, turns)),
         "system_prompt": (system_prompt(tok, n_sys, sys_len), None),
     }
-    rows, same = [], {}
-    jobs = [(w, algo) for w in workloads for algo in ("off", "hash", "radix")]
-    outputs = {}
-    for w, algo in tqdm(jobs, desc="bench radix"):
-        rounds, grow = workloads[w]
-        factory = lambda: LLM(model, tok, enable_prefix_caching=algo != "off",  # noqa: E731
-                              prefix_caching_algo="hash" if algo == "off" else algo, max_num_seqs=16)
-        row = _run(factory, rounds, grow, max_tokens)
-        outputs[(w, algo)] = row.pop("_outputs")
-        rows.append({"workload": w, "caching": algo, **row})
-    for w in workloads:
-        same[w] = outputs[(w, "hash")] == outputs[(w, "off")] == outputs[(w, "radix")]
+    sizes = {"model": "smollm2-135m", "block_size": 16, "max_tokens": max_tokens, "few_shot_requests": n_few,
+             "agent_tree": "1 + 3 + 9", "multi_turn": f"{n_chat} x {turns}", "system_prompt": f"{n_sys} x {sys_len}"}
+    return workloads, sizes
+
+
+def _ratios(rows: list[dict], workloads) -> dict:
+    """Per workload, hash chain against radix tree: hit rates, the extra tokens the tree finds, TTFT p50."""
     get = {(r["workload"], r["caching"]): r for r in rows}
     ratios = {}
     for w in workloads:
@@ -125,11 +116,24 @@ def run(quick: bool = False) -> dict:
         ratios[f"{w}_hit_rate_radix"] = x["hit_rate"]
         ratios[f"{w}_extra_hit_tokens_radix"] = x["hit_tokens"] - h["hit_tokens"]
         ratios[f"{w}_ttft_p50_hash_over_radix"] = h["ttft_p50_s"] / x["ttft_p50_s"]
-    return {
-        "name": "radix", "device": _device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "workload": {"model": "smollm2-135m", "block_size": 16, "max_tokens": max_tokens, "few_shot_requests": n_few,
-                     "agent_tree": "1 + 3 + 9", "multi_turn": f"{n_chat} x {turns}",
-                     "system_prompt": f"{n_sys} x {sys_len}"},
-        "outputs_identical": same, "table": rows, "ratios": ratios,
-    }
+    return ratios
+
+
+def run(quick: bool = False) -> dict:
+    from llmso_lab.engine import LLM
+    from llmso_lab.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    workloads, sizes = _workloads(tok, quick)
+    rows, outputs = [], {}
+    jobs = [(w, algo) for w in workloads for algo in ("off", "hash", "radix")]
+    for w, algo in tqdm(jobs, desc="bench radix"):
+        rounds, grow = workloads[w]
+        factory = lambda: LLM(model, tok, enable_prefix_caching=algo != "off",  # noqa: E731
+                              prefix_caching_algo="hash" if algo == "off" else algo, max_num_seqs=16)
+        row = _run(factory, rounds, grow, sizes["max_tokens"])
+        outputs[(w, algo)] = row.pop("_outputs")
+        rows.append({"workload": w, "caching": algo, **row})
+    same = {w: outputs[(w, "hash")] == outputs[(w, "off")] == outputs[(w, "radix")] for w in workloads}
+    return harness.result("radix", None,   # no "command": the CLI records the command line it ran
+                          workload=sizes, outputs_identical=same, table=rows, ratios=_ratios(rows, workloads))

@@ -22,7 +22,6 @@ model copies: n-gram lookup drafts >= 50% of its plain output right), `best_lear
 """
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from llmso_lab import hardware as hw
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import harness
 
 __all__ = ["run", "FULL", "QUICK", "load_prompts", "copy_rate"]
 
@@ -146,6 +145,84 @@ def _hf_peer(model, tok, prompts: dict, new_tokens: int, k: int) -> list[dict]:
     return rows
 
 
+def _batch1_table(res: dict, runs: list, prompts: dict) -> list[dict]:
+    """A row per drafter, k and task from the interleaved batch-1 results: tokens/s against plain decoding,
+    acceptance and how many outputs equal plain decoding's."""
+    ref = res[("plain", 0)]
+    table = []
+    for method, k in runs[1:]:
+        for task in prompts:
+            r = res[(method, k)][task]
+            same = sum(a == b for a, b in zip(r["tokens"], ref[task]["tokens"]))
+            table.append({"method": method, "k": k, "task": task, "tok_s": round(r["tok_s"], 2),
+                          "vs_plain": round(r["tok_s"] / ref[task]["tok_s"], 3),
+                          "acceptance_rate": harness.rounded(r["acceptance_rate"]),   # None without drafts
+                          "mean_accepted_length": harness.rounded(r["mean_accepted_length"]),
+                          "identical_outputs": f"{same}/{len(r['tokens'])}"})
+    return table
+
+
+def _best_k(table: list[dict]) -> dict:
+    """(method, task) -> the batch-1 row with the highest tokens/s (the first of equals)."""
+    best = {}
+    for row in table:
+        key = (row["method"], row["task"])
+        if key not in best or row["tok_s"] > best[key]["tok_s"]:
+            best[key] = row
+    return best
+
+
+def _batch_rows(model, tok, prompts: dict, methods, best: dict, batch: int, new_tokens: int) -> list[dict]:
+    """Plain decoding and each drafter at its best batch-1 k, serving each task's prompts `batch` at a time."""
+    rows = []
+    for method in ("plain",) + tuple(methods):
+        for task in prompts:
+            k = 0 if method == "plain" else best[(method, task)]["k"]
+            rows.append({"method": method, "k": k, "task": task, "batch": batch,
+                         "tok_s": round(_batched(model, tok, prompts[task], method, k, batch, new_tokens), 2)})
+    plain = {r["task"]: r["tok_s"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        r["vs_plain"] = round(r["tok_s"] / plain[r["task"]], 3)
+        r["vs_plain_batch1"] = None if r["method"] == "plain" else best[(r["method"], r["task"])]["vs_plain"]
+    return rows
+
+
+def _copying(prompts: dict, ref: dict, ng: dict) -> tuple[list[dict], list[int], float | None]:
+    """Per prompt, how much the model copies (`copy_rate` of plain decoding's output) next to n-gram's speed-up
+    (`ng`: n-gram at its best k on copy prompts); the copy-heavy prompts (copy rate >= 50%), and n-gram's tokens/s
+    over plain decoding's on them (None without any)."""
+    per_prompt = []
+    for task, ps in prompts.items():
+        for i, p in enumerate(ps):
+            per_prompt.append({"task": task, "prompt": i, "output_tokens": len(ref[task]["tokens"][i]),
+                               "copy_rate": round(copy_rate(p, ref[task]["tokens"][i]), 3),
+                               "ngram_speedup": round(ref[task]["seconds"][i] / ng[task]["seconds"][i], 3)})
+    heavy = [i for i, p in enumerate(prompts["copy"]) if copy_rate(p, ref["copy"]["tokens"][i]) >= 0.5]
+    heavy_ratio = None
+    if heavy:
+        heavy_ratio = (sum(ref["copy"]["seconds"][i] for i in heavy) / sum(ng["copy"]["seconds"][i] for i in heavy)
+                       * sum(len(ng["copy"]["tokens"][i]) for i in heavy) / sum(len(ref["copy"]["tokens"][i]) for i in heavy))
+    return per_prompt, heavy, heavy_ratio
+
+
+def _ratios(best: dict, heavy_ratio: float | None, peer: list[dict], plain: dict, batch_rows: list[dict],
+            methods, batch: int) -> dict:
+    """Speed-ups over plain decoding at batch 1 (each drafter at its best k) and at `batch`, and against the HF peer
+    (`peer`: plain, prompt lookup, assistant model)."""
+    learned = [m for m in ("draft", "medusa", "eagle") if m in methods]
+    ratios = {"ngram_vs_plain_copy_batch1": best[("ngram", "copy")]["vs_plain"],
+              "ngram_vs_plain_chat_batch1": best[("ngram", "chat")]["vs_plain"],
+              "ngram_vs_plain_copy_heavy_batch1": None if heavy_ratio is None else round(heavy_ratio, 3),
+              "best_learned_vs_plain_chat_batch1": max((best[(m, "chat")]["vs_plain"] for m in learned), default=None),
+              "best_learned_vs_plain_copy_batch1": max((best[(m, "copy")]["vs_plain"] for m in learned), default=None),
+              "ngram_vs_hf_prompt_lookup_copy_batch1": round(best[("ngram", "copy")]["tok_s"] / peer[1]["copy_tok_s"], 3),
+              "engine_plain_vs_hf_plain_batch1_chat": round(plain["chat"] / peer[0]["chat_tok_s"], 3)}
+    for r in batch_rows:
+        if r["method"] != "plain":
+            ratios[f"{r['method']}_vs_plain_{r['task']}_batch{batch}"] = r["vs_plain"]
+    return ratios
+
+
 def run(quick: bool = False, **overrides) -> dict:
     from tqdm.auto import tqdm
 
@@ -162,62 +239,18 @@ def run(quick: bool = False, **overrides) -> dict:
     del engines
     plain = {task: res[("plain", 0)][task]["tok_s"] for task in prompts}
     ref = res[("plain", 0)]
-    table = []
-    for method, k in runs[1:]:
-        for task in prompts:
-            r = res[(method, k)][task]
-            same = sum(a == b for a, b in zip(r["tokens"], ref[task]["tokens"]))
-            table.append({"method": method, "k": k, "task": task, "tok_s": round(r["tok_s"], 2),
-                          "vs_plain": round(r["tok_s"] / plain[task], 3),
-                          "acceptance_rate": None if r["acceptance_rate"] is None else round(r["acceptance_rate"], 3),
-                          "mean_accepted_length": None if r["mean_accepted_length"] is None else round(r["mean_accepted_length"], 3),
-                          "identical_outputs": f"{same}/{len(r['tokens'])}"})
-    best = {}   # (method, task) -> the batch-1 row with the highest tok/s
-    for row in table:
-        key = (row["method"], row["task"])
-        if key not in best or row["tok_s"] > best[key]["tok_s"]:
-            best[key] = row
-    batch_rows = []
-    for method in ("plain",) + tuple(cfg["methods"]):
-        for task in prompts:
-            k = 0 if method == "plain" else best[(method, task)]["k"]
-            batch_rows.append({"method": method, "k": k, "task": task, "batch": B,
-                               "tok_s": round(_batched(model, tok, prompts[task], method, k, B, N), 2)})
-    plain_b = {r["task"]: r["tok_s"] for r in batch_rows if r["method"] == "plain"}
-    for r in batch_rows:
-        r["vs_plain"] = round(r["tok_s"] / plain_b[r["task"]], 3)
-        r["vs_plain_batch1"] = None if r["method"] == "plain" else best[(r["method"], r["task"])]["vs_plain"]
-    # per prompt: copy rate vs the n-gram speed-up (best k on copy prompts), both tasks
-    k_ng = best[("ngram", "copy")]["k"]
-    ng = res[("ngram", k_ng)]
-    per_prompt = []
-    for task, ps in prompts.items():
-        for i, p in enumerate(ps):
-            per_prompt.append({"task": task, "prompt": i, "output_tokens": len(ref[task]["tokens"][i]),
-                               "copy_rate": round(copy_rate(p, ref[task]["tokens"][i]), 3),
-                               "ngram_speedup": round(ref[task]["seconds"][i] / ng[task]["seconds"][i], 3)})
-    heavy = [i for i, p in enumerate(prompts["copy"]) if copy_rate(p, ref["copy"]["tokens"][i]) >= 0.5]
-    heavy_ratio = (sum(ref["copy"]["seconds"][i] for i in heavy) / sum(ng["copy"]["seconds"][i] for i in heavy)
-                   * sum(len(ng["copy"]["tokens"][i]) for i in heavy) / sum(len(ref["copy"]["tokens"][i]) for i in heavy)) if heavy else None
+    table = _batch1_table(res, runs, prompts)
+    best = _best_k(table)
+    batch_rows = _batch_rows(model, tok, prompts, cfg["methods"], best, B, N)
+    k_ng = best[("ngram", "copy")]["k"]   # n-gram at its best k on copy prompts, for both tasks
+    per_prompt, heavy, heavy_ratio = _copying(prompts, ref, res[("ngram", k_ng)])
     peer = _hf_peer(model, tok, prompts, N, k_ng)
-    for row in peer:
+    for row in peer:   # its outputs against the engine's plain decoding
         for task in prompts:
-            row[f"{task}_identical_to_engine"] = f"{sum(a == b for a, b in zip(row.pop(f'{task}_tokens'), ref[task]['tokens']))}/{len(prompts[task])}"
-    learned = [m for m in ("draft", "medusa", "eagle") if m in cfg["methods"]]
-    ratios = {"ngram_vs_plain_copy_batch1": best[("ngram", "copy")]["vs_plain"],
-              "ngram_vs_plain_chat_batch1": best[("ngram", "chat")]["vs_plain"],
-              "ngram_vs_plain_copy_heavy_batch1": None if heavy_ratio is None else round(heavy_ratio, 3),
-              "best_learned_vs_plain_chat_batch1": max((best[(m, "chat")]["vs_plain"] for m in learned), default=None),
-              "best_learned_vs_plain_copy_batch1": max((best[(m, "copy")]["vs_plain"] for m in learned), default=None),
-              "ngram_vs_hf_prompt_lookup_copy_batch1": round(best[("ngram", "copy")]["tok_s"] / peer[1]["copy_tok_s"], 3),
-              "engine_plain_vs_hf_plain_batch1_chat": round(plain["chat"] / peer[0]["chat_tok_s"], 3)}
-    for r in batch_rows:
-        if r["method"] != "plain":
-            ratios[f"{r['method']}_vs_plain_{r['task']}_batch{B}"] = r["vs_plain"]
-    return {"name": "spec", "device": _device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "llmso-lab bench spec" + (" --quick" if quick else ""), "config": {**cfg, "ks": list(cfg["ks"])},
-            "plain_tok_s_batch1": {t: round(v, 2) for t, v in plain.items()},
-            "copy_heavy_prompts": heavy,
-            "table": table, "tables": {"batch": batch_rows, "per_prompt": per_prompt, "hf_peer": peer},
-            "ratios": ratios, "seconds": round(time.perf_counter() - t_start, 1)}
+            same = sum(a == b for a, b in zip(row.pop(f"{task}_tokens"), ref[task]["tokens"]))
+            row[f"{task}_identical_to_engine"] = f"{same}/{len(prompts[task])}"
+    return harness.result("spec", quick, config={**cfg, "ks": list(cfg["ks"])},
+                          plain_tok_s_batch1={t: round(v, 2) for t, v in plain.items()}, copy_heavy_prompts=heavy,
+                          table=table, tables={"batch": batch_rows, "per_prompt": per_prompt, "hf_peer": peer},
+                          ratios=_ratios(best, heavy_ratio, peer, plain, batch_rows, cfg["methods"], B),
+                          seconds=round(time.perf_counter() - t_start, 1))

@@ -41,18 +41,17 @@ Without `.venv-vllm` the bench says how to build it and measures the engine alon
 """
 from __future__ import annotations
 
-import datetime
-import os
+import contextlib
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
-from llmso_lab.bench import batching, vllm_runner as vr
-from llmso_lab.bench.attention import _device_name
+from llmso_lab.bench import batching, harness, vllm_runner as vr
 from llmso_lab.bench.precision import greedy_agreement
 
 __all__ = ["run", "FULL", "QUICK", "schedule", "engine_settings", "prefix_workload"]
@@ -147,8 +146,156 @@ def _roofline_bounds(net, model: str, dtypes, reqs, max_num_seqs: int, batch1_co
     return out
 
 
-def _r(x, nd: int = 3):
-    return round(x, nd) if isinstance(x, float) else x
+def _inputs(cfg: dict, net, tokenizer) -> dict:
+    """The timed workloads of one turn (continuous, `batch1_repeats` x batch 1, prefix), the continuous workload's
+    requests, the warm-up batch and the max_model_len that fits the longest request."""
+    vocab, w, p = net.config.vocab_size, cfg["workload"], cfg["prefix"]
+    reqs, prompts = batching.workload(w["num_requests"], w["prompt_len"], w["output_len"], vocab)
+    system, prefix_prompts = prefix_workload(tokenizer, vocab, p["num_requests"], p["prefix_tokens"])
+    workloads = [vr.make_workload("continuous", prompts, [r.output_len for r in reqs])]
+    workloads += [vr.make_workload(f"batch1-{k}", [prompts[0][:32]], w["batch1_tokens"])
+                  for k in range(cfg["batch1_repeats"])]
+    workloads.append(vr.make_workload("prefix", prefix_prompts, p["max_tokens"], prime=[system]))
+    longest = max(len(q) + n for x in workloads for q, n in zip(x["prompt_token_ids"], x["max_tokens"]))
+    return {"workloads": workloads, "reqs": reqs,
+            "max_model_len": min(net.config.max_position_embeddings, longest + 16),
+            # a full batch: first-call allocations, the first big prefill
+            "warm": vr.make_workload("warmup", prompts[:w["max_num_seqs"]], 2)}
+
+
+@contextlib.contextmanager
+def _model_folder(model: str, net) -> Iterator[Path]:
+    """The folder vLLM loads: SmolLM2's cache (fetched once), or for a model built in memory (the tests' tiny one)
+    a temporary save_pretrained folder, removed after the block."""
+    if model == "smollm2-135m":
+        from llmso_lab.models.registry import fetch_model, is_cached, model_dir as cached_dir
+        if not is_cached(model):
+            fetch_model(model)
+        yield cached_dir(model)
+    else:
+        with tempfile.TemporaryDirectory(prefix="vllm-model-") as tmp:
+            net.save_pretrained(tmp)
+            yield Path(tmp)
+
+
+def _measure(net, tokenizer, dtypes, cfg: dict, inputs: dict, model_dir: Path, python: Path, script,
+             with_vllm: bool) -> tuple[dict, list[dict], dict]:
+    """The timed turns (`schedule`). Per dtype one vLLM peer is loaded, compiled and warmed up before its first turn
+    and closed after its last (freeing its cores); then the engine and vLLM alternate round by round, the engine
+    warmed up untimed on a fresh engine before each of its turns. Returns ({(dtype, system, round): the turn's
+    `_round_figures`}, the timeline, each dtype's peer start-up report)."""
+    systems = ("engine", "vllm") if with_vllm else ("engine",)
+    workloads, warm = inputs["workloads"], inputs["warm"]
+    t_start, timeline, figures, peers = time.perf_counter(), [], {}, {}
+    bar = tqdm(total=len(schedule(dtypes, cfg["rounds"], with_vllm)), desc="bench vllm")
+
+    def turn(d: str, kw: dict, peer, s: str, r: int) -> dict:
+        with harness.phase(bar, f"{d} round {r} {s}"):
+            cpu0 = peer.cpu_seconds() if peer is not None else None
+            if s == "engine":
+                _engine_workload(net, tokenizer, warm, kw)   # warm-up on a fresh engine, untimed
+            t0 = time.perf_counter()
+            if s == "engine":
+                res = {x["name"]: _engine_workload(net, tokenizer, x, kw) for x in workloads}
+            else:
+                res = {x["name"]: x for x in peer.run(workloads, round=r)}
+            t1 = time.perf_counter()
+            event = {"dtype": d, "round": r, "system": s, "start_s": round(t0 - t_start, 3),
+                     "end_s": round(t1 - t_start, 3)}
+            if s == "engine" and cpu0 is not None:   # the peer should sleep while the engine runs
+                cpu1 = peer.cpu_seconds()
+                event["peer_cpu_s_during_engine"] = round(cpu1 - cpu0, 2) if cpu1 is not None else None
+            timeline.append(event)
+            return _round_figures(res, cfg["batch1_repeats"])
+    try:
+        for d in dtypes:
+            kw = engine_settings(cfg, d, inputs["max_model_len"])
+            peer = None
+            if with_vllm:
+                bar.set_postfix_str(f"loading vLLM {d}")
+                job = vr.make_job([], model_dir=model_dir, warmup=warm, **kw)
+                peer = vr.VllmPeer(job, python=python, script=script)
+            try:
+                if peer is not None:
+                    peers[d] = peer.start()   # load + compile + warm-up: before any timed turn of this dtype
+                turns = harness.alternate(cfg["rounds"], systems, lambda s, r: turn(d, kw, peer, s, r))
+                figures.update({(d, s, r): f for (s, r), f in turns.items()})
+            finally:
+                if peer is not None:
+                    peer.close()
+    finally:
+        bar.close()
+    return figures, timeline, peers
+
+
+def _best_row(d: str, label: str, mine: list[dict], bound: dict) -> dict:
+    """One system's table row for dtype `d` from its rounds `mine`: the best round per workload (highest
+    continuous and batch-1 tokens/s, lowest prefix TTFT p50) and both throughputs as a share of `bound`."""
+    c = max(mine, key=lambda f: f["continuous"]["output_tok_s"])["continuous"]
+    pre = min(mine, key=lambda f: f["prefix"]["ttft_p50_s"])["prefix"]
+    r3 = harness.rounded   # seconds to 3 decimals
+    row = {"dtype": d, "system": label, "output_tok_s": round(c["output_tok_s"], 1),
+           "ttft_p50_s": r3(c["ttft_p50_s"]), "ttft_p99_s": r3(c["ttft_p99_s"]),
+           "tpot_p50_ms": round(c["tpot_p50_ms"], 1), "tpot_p99_ms": round(c["tpot_p99_ms"], 1),
+           "e2e_p50_s": r3(c["e2e_p50_s"]), "batch1_tok_s": round(max(f["batch1_tok_s"] for f in mine), 1),
+           "prefix_ttft_p50_s": r3(pre["ttft_p50_s"]), "prefix_ttft_p99_s": r3(pre["ttft_p99_s"]),
+           "prefix_hit_rate": r3(pre.get("prefix_hit_rate", float("nan"))),
+           "same_tokens_every_round": all(f["tokens"] == mine[0]["tokens"] for f in mine)}
+    row.update(roofline_bound_tok_s=round(bound["continuous"], 1),
+               roofline_share=round(c["output_tok_s"] / bound["continuous"], 3),
+               batch1_ceiling_tok_s=round(bound["batch1"], 1),
+               batch1_share=round(row["batch1_tok_s"] / bound["batch1"], 3))
+    return row
+
+
+def _round_row(d: str, r: int, e: dict, v: dict | None, timeline: list[dict]) -> dict:
+    """Round `r` of dtype `d`: the engine's figures `e`, and with vLLM's `v` the paired ratios (> 1: the engine is
+    better) and the CPU seconds the peer used during the engine's turn."""
+    row = {"dtype": d, "round": r, "engine_tok_s": e["continuous"]["output_tok_s"],
+           "engine_batch1_tok_s": e["batch1_tok_s"], "engine_prefix_ttft_p50_s": e["prefix"]["ttft_p50_s"]}
+    if v is not None:
+        row.update(vllm_tok_s=v["continuous"]["output_tok_s"], vllm_batch1_tok_s=v["batch1_tok_s"],
+                   vllm_prefix_ttft_p50_s=v["prefix"]["ttft_p50_s"],
+                   continuous_ratio=e["continuous"]["output_tok_s"] / v["continuous"]["output_tok_s"],
+                   batch1_ratio=e["batch1_tok_s"] / v["batch1_tok_s"],
+                   prefix_ttft_ratio=v["prefix"]["ttft_p50_s"] / e["prefix"]["ttft_p50_s"])
+        ev = next(x for x in timeline if (x["dtype"], x["round"], x["system"]) == (d, r, "engine"))
+        row["peer_cpu_s_during_engine"] = ev.get("peer_cpu_s_during_engine")
+    return row
+
+
+def _compare(d: str, e1: dict, v1: dict, table: list[dict], by_round: list[dict]) -> tuple[list[dict], dict]:
+    """Engine against vLLM in dtype `d`: greedy agreement per workload (round 1's tokens `e1`, `v1`) and the ratios:
+    best round over best round, and the worst paired round."""
+    agreement, ratios, k = [], {}, SHORT[d]
+    for name in WORKLOADS:
+        a = greedy_agreement(e1[name], v1[name])
+        div = [f for f in a["first_divergence"] if f is not None]
+        agreement.append({"dtype": d, "workload": name, "tokens_equal": round(a["tokens_equal"], 3),
+                          "identical": round(a["identical"], 3),
+                          "first_divergence_median": statistics.median(div) if div else "-"})
+        ratios[f"tokens_equal_{name}_{k}"] = a["tokens_equal"]
+    tab = {t["system"] == "engine": t for t in table if t["dtype"] == d}
+    mine = [x for x in by_round if x["dtype"] == d]
+    ratios[f"engine_vs_vllm_continuous_{k}"] = tab[True]["output_tok_s"] / tab[False]["output_tok_s"]
+    ratios[f"engine_vs_vllm_continuous_{k}_worst_round"] = min(x["continuous_ratio"] for x in mine)
+    ratios[f"engine_vs_vllm_batch1_{k}"] = tab[True]["batch1_tok_s"] / tab[False]["batch1_tok_s"]
+    ratios[f"engine_vs_vllm_batch1_{k}_worst_round"] = min(x["batch1_ratio"] for x in mine)
+    pk = "engine_vs_vllm_prefix_ttft_p50" + ("" if d == "bfloat16" else f"_{k}")
+    ratios[pk] = tab[False]["prefix_ttft_p50_s"] / tab[True]["prefix_ttft_p50_s"]
+    ratios[pk + "_worst_round"] = min(x["prefix_ttft_ratio"] for x in mine)
+    return agreement, ratios
+
+
+def _vllm_info(peers: dict, skipped: str | None) -> dict:
+    """What each dtype's peer reported (versions, load and warm-up seconds, settings, ...), or why it was skipped."""
+    if skipped:
+        return {"skipped": skipped}
+    info = {d: {k: m.get(k) for k in ("versions", "load_s", "warmup_s", "start_s", "settings", "engine_args",
+                                      "omp_threads_bind", "threads", "torch_threads", "v1_multiprocessing", "device",
+                                      "python")} for d, m in peers.items()}
+    info["timing_source"] = next(iter(peers.values())).get("timing_source")
+    return info
 
 
 def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None = None,
@@ -165,152 +312,39 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None =
         dtypes = (str(resolve_dtype(dtype, torch.device("cpu"))[0]).removeprefix("torch."),) if dtype else \
             ("bfloat16", "float32")
     net, tokenizer = load_model(model)   # fp32; each engine casts its own copy, vLLM loads the folder in its dtype
-    vocab, w, p = net.config.vocab_size, cfg["workload"], cfg["prefix"]
-    reqs, prompts = batching.workload(w["num_requests"], w["prompt_len"], w["output_len"], vocab)
-    B, n1, repeats = w["max_num_seqs"], w["batch1_tokens"], cfg["batch1_repeats"]
-    system, prefix_prompts = prefix_workload(tokenizer, vocab, p["num_requests"], p["prefix_tokens"])
-    workloads = [vr.make_workload("continuous", prompts, [r.output_len for r in reqs])]
-    workloads += [vr.make_workload(f"batch1-{k}", [prompts[0][:32]], n1) for k in range(repeats)]
-    workloads.append(vr.make_workload("prefix", prefix_prompts, p["max_tokens"], prime=[system]))
-    longest = max(len(q) + n for x in workloads for q, n in zip(x["prompt_token_ids"], x["max_tokens"]))
-    max_model_len = min(net.config.max_position_embeddings, longest + 16)
-    warm = vr.make_workload("warmup", prompts[:B], 2)   # a full batch: first-call allocations, the first big prefill
-
-    tmp = None
-    if model == "smollm2-135m":
-        from llmso_lab.models.registry import fetch_model, is_cached, model_dir as cached_dir
-        if not is_cached(model):
-            fetch_model(model)
-        model_dir = cached_dir(model)
-    else:   # a model built in memory (the tests' tiny one): vLLM reads it from a save_pretrained folder
-        tmp = tempfile.TemporaryDirectory(prefix="vllm-model-")
-        net.save_pretrained(tmp.name)
-        model_dir = Path(tmp.name)
-    python = Path(python) if python is not None else vr.default_python()
-    skipped = None if python.exists() else vr.missing_venv_message(python)
-    if skipped:
-        print(skipped + " -- measuring the engine alone")
-
-    t_start = time.perf_counter()
-    timeline, by_round, peers = [], [], {}
-    figures: dict = {}   # (dtype, system, round) -> _round_figures
-    plan = schedule(dtypes, cfg["rounds"], with_vllm=skipped is None)
-    bar = tqdm(total=len(plan), desc="bench vllm")
-    try:
-        for d in dtypes:
-            kw = engine_settings(cfg, d, max_model_len)
-            peer = None
-            if skipped is None:
-                bar.set_postfix_str(f"loading vLLM {d}")
-                job = vr.make_job([], model_dir=model_dir, warmup=warm, **kw)
-                peer = vr.VllmPeer(job, python=python, script=script)
-            try:
-                if peer is not None:
-                    peers[d] = peer.start()   # load + compile + warm-up: before any timed turn of this dtype
-                for r in range(1, cfg["rounds"] + 1):
-                    for s in ("engine", "vllm") if peer is not None else ("engine",):
-                        bar.set_postfix_str(f"{d} round {r} {s}")
-                        cpu0 = peer.cpu_seconds() if peer is not None else None
-                        if s == "engine":
-                            _engine_workload(net, tokenizer, warm, kw)   # warm-up on a fresh engine, untimed
-                        t0 = time.perf_counter()
-                        if s == "engine":
-                            res = {x["name"]: _engine_workload(net, tokenizer, x, kw) for x in workloads}
-                        else:
-                            res = {x["name"]: x for x in peer.run(workloads, round=r)}
-                        t1 = time.perf_counter()
-                        event = {"dtype": d, "round": r, "system": s, "start_s": round(t0 - t_start, 3),
-                                 "end_s": round(t1 - t_start, 3)}
-                        if s == "engine" and cpu0 is not None:
-                            cpu1 = peer.cpu_seconds()
-                            event["peer_cpu_s_during_engine"] = round(cpu1 - cpu0, 2) if cpu1 is not None else None
-                        timeline.append(event)
-                        figures[(d, s, r)] = _round_figures(res, repeats)
-                        bar.update()
-            finally:
-                if peer is not None:
-                    peer.close()   # frees its cores before the next dtype
-    finally:
-        bar.close()
-        if tmp is not None:
-            tmp.cleanup()
-
+    inputs, w, rounds = _inputs(cfg, net, tokenizer), cfg["workload"], range(1, cfg["rounds"] + 1)
+    with _model_folder(model, net) as model_dir:
+        python = Path(python) if python is not None else vr.default_python()
+        skipped = None if python.exists() else vr.missing_venv_message(python)
+        if skipped:
+            print(skipped + " -- measuring the engine alone")
+        figures, timeline, peers = _measure(net, tokenizer, dtypes, cfg, inputs, model_dir, python, script,
+                                            with_vllm=skipped is None)
     systems = ("engine", "vllm") if skipped is None else ("engine",)
-    rounds = range(1, cfg["rounds"] + 1)
-    bounds = _roofline_bounds(net, model, dtypes, reqs, B, 32 + n1 // 2, cfg.get("measure_seconds", 1.0 if quick else 3.0))
-    table, agreement, ratios = [], [], {}
+    bounds = _roofline_bounds(net, model, dtypes, inputs["reqs"], w["max_num_seqs"], 32 + w["batch1_tokens"] // 2,
+                              cfg.get("measure_seconds", 1.0 if quick else 3.0))
+    table, by_round, agreement, ratios = [], [], [], {}
     for d in dtypes:
-        for s in systems:
-            mine = [figures[(d, s, r)] for r in rounds]
-            c = max(mine, key=lambda f: f["continuous"]["output_tok_s"])["continuous"]
-            pre = min(mine, key=lambda f: f["prefix"]["ttft_p50_s"])["prefix"]
-            table.append({"dtype": d, "system": "engine" if s == "engine" else f"vLLM {peers[d]['versions'].get('vllm', '?')}",
-                          "output_tok_s": round(c["output_tok_s"], 1), "ttft_p50_s": _r(c["ttft_p50_s"]),
-                          "ttft_p99_s": _r(c["ttft_p99_s"]), "tpot_p50_ms": round(c["tpot_p50_ms"], 1),
-                          "tpot_p99_ms": round(c["tpot_p99_ms"], 1), "e2e_p50_s": _r(c["e2e_p50_s"]),
-                          "batch1_tok_s": round(max(f["batch1_tok_s"] for f in mine), 1),
-                          "prefix_ttft_p50_s": _r(pre["ttft_p50_s"]), "prefix_ttft_p99_s": _r(pre["ttft_p99_s"]),
-                          "prefix_hit_rate": _r(pre.get("prefix_hit_rate", float("nan"))),
-                          "same_tokens_every_round": all(f["tokens"] == mine[0]["tokens"] for f in mine)})
-            b = bounds[d]
-            table[-1].update(roofline_bound_tok_s=round(b["continuous"], 1),
-                             roofline_share=round(c["output_tok_s"] / b["continuous"], 3),
-                             batch1_ceiling_tok_s=round(b["batch1"], 1),
-                             batch1_share=round(table[-1]["batch1_tok_s"] / b["batch1"], 3))
-        for r in rounds:
-            e = figures[(d, "engine", r)]
-            row = {"dtype": d, "round": r, "engine_tok_s": e["continuous"]["output_tok_s"],
-                   "engine_batch1_tok_s": e["batch1_tok_s"], "engine_prefix_ttft_p50_s": e["prefix"]["ttft_p50_s"]}
-            if skipped is None:
-                v = figures[(d, "vllm", r)]
-                row.update(vllm_tok_s=v["continuous"]["output_tok_s"], vllm_batch1_tok_s=v["batch1_tok_s"],
-                           vllm_prefix_ttft_p50_s=v["prefix"]["ttft_p50_s"],
-                           continuous_ratio=e["continuous"]["output_tok_s"] / v["continuous"]["output_tok_s"],
-                           batch1_ratio=e["batch1_tok_s"] / v["batch1_tok_s"],
-                           prefix_ttft_ratio=v["prefix"]["ttft_p50_s"] / e["prefix"]["ttft_p50_s"])
-                ev = next(x for x in timeline if (x["dtype"], x["round"], x["system"]) == (d, r, "engine"))
-                row["peer_cpu_s_during_engine"] = ev.get("peer_cpu_s_during_engine")
-            by_round.append(row)
+        table += [_best_row(d, "engine" if s == "engine" else f"vLLM {peers[d]['versions'].get('vllm', '?')}",
+                            [figures[(d, s, r)] for r in rounds], bounds[d]) for s in systems]
+        by_round += [_round_row(d, r, figures[(d, "engine", r)], figures.get((d, "vllm", r)), timeline) for r in rounds]
         if skipped is None:
             e1, v1 = figures[(d, "engine", 1)]["tokens"], figures[(d, "vllm", 1)]["tokens"]
-            for name in WORKLOADS:
-                a = greedy_agreement(e1[name], v1[name])
-                div = [f for f in a["first_divergence"] if f is not None]
-                agreement.append({"dtype": d, "workload": name, "tokens_equal": round(a["tokens_equal"], 3),
-                                  "identical": round(a["identical"], 3),
-                                  "first_divergence_median": statistics.median(div) if div else "-"})
-                ratios[f"tokens_equal_{name}_{SHORT[d]}"] = a["tokens_equal"]
-            tab = {t["system"] == "engine": t for t in table if t["dtype"] == d}
-            mine = [x for x in by_round if x["dtype"] == d]
-            k = SHORT[d]
-            ratios[f"engine_vs_vllm_continuous_{k}"] = tab[True]["output_tok_s"] / tab[False]["output_tok_s"]
-            ratios[f"engine_vs_vllm_continuous_{k}_worst_round"] = min(x["continuous_ratio"] for x in mine)
-            ratios[f"engine_vs_vllm_batch1_{k}"] = tab[True]["batch1_tok_s"] / tab[False]["batch1_tok_s"]
-            ratios[f"engine_vs_vllm_batch1_{k}_worst_round"] = min(x["batch1_ratio"] for x in mine)
-            pk = "engine_vs_vllm_prefix_ttft_p50" + ("" if d == "bfloat16" else f"_{k}")
-            ratios[pk] = tab[False]["prefix_ttft_p50_s"] / tab[True]["prefix_ttft_p50_s"]
-            ratios[pk + "_worst_round"] = min(x["prefix_ttft_ratio"] for x in mine)
-    ratios = {k: round(v, 3) for k, v in ratios.items()}
-    vllm_info = {"skipped": skipped} if skipped else {
-        d: {k: m.get(k) for k in ("versions", "load_s", "warmup_s", "start_s", "settings", "engine_args",
-                                  "omp_threads_bind", "threads", "torch_threads", "v1_multiprocessing", "device", "python")} for d, m in peers.items()}
-    if not skipped:
-        vllm_info["timing_source"] = next(iter(peers.values())).get("timing_source")
-    wl = {k: (list(v) if isinstance(v, tuple) else v) for k, v in w.items()}
-    return {"name": "vllm", "table": table, "ratios": ratios, "device": _device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "llmso-lab bench vllm" + (" --quick" if quick else "") + (f" --dtype {dtype}" if dtype else ""),
-            "model": model, "dtypes": list(dtypes), "threads": torch.get_num_threads(),
-            "settings": {d: engine_settings(cfg, d, max_model_len) for d in dtypes},
-            "workload": {"continuous": wl, "batch1": {"prompt_len": 32, "max_tokens": n1, "repeats": repeats},
-                         "prefix": dict(p), "rounds": cfg["rounds"]},
-            "tables": {"round by round (engine and vLLM alternate; ratios > 1: the engine is better)":
-                       [{k: _r(v) for k, v in x.items()} for x in by_round],
-                       "greedy agreement, engine vs vLLM (round 1, tokens before the first divergence)": agreement},
-            "ceilings": {d: {k: round(v, 3) for k, v in b.items()} for d, b in bounds.items()},
-            "timeline": timeline, "vllm": vllm_info, "load_avg": [round(x, 2) for x in os.getloadavg()],
-            "note": "CPU figures; the machine may be shared with other jobs (see load_avg). vLLM's load/compile time is "
-                    "not in any round (vllm.<dtype>.load_s)."}
+            rows, more = _compare(d, e1, v1, table, by_round)
+            agreement += rows
+            ratios.update(more)
+    return harness.result(
+        "vllm", quick, f"--dtype {dtype}" if dtype else "", table=table, ratios=harness.rounded(ratios), model=model,
+        dtypes=list(dtypes), threads=torch.get_num_threads(),
+        settings={d: engine_settings(cfg, d, inputs["max_model_len"]) for d in dtypes},
+        workload={"continuous": harness.lists(w),
+                  "batch1": {"prompt_len": 32, "max_tokens": w["batch1_tokens"], "repeats": cfg["batch1_repeats"]},
+                  "prefix": dict(cfg["prefix"]), "rounds": cfg["rounds"]},
+        tables={"round by round (engine and vLLM alternate; ratios > 1: the engine is better)":
+                harness.rounded(by_round),
+                "greedy agreement, engine vs vLLM (round 1, tokens before the first divergence)": agreement},
+        ceilings=harness.rounded(bounds), timeline=timeline, vllm=_vllm_info(peers, skipped),
+        **harness.shared_cpu(" vLLM's load/compile time is not in any round (vllm.<dtype>.load_s)."))
 
 
 if __name__ == "__main__":  # pragma: no cover
