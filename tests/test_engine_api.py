@@ -156,3 +156,36 @@ def test_bad_engine_settings(kw, message):
 
 def test_triton_backend_is_selected_through_the_hook():
     assert engine(attention_backend="triton").model_runner.backend.name == "triton"
+
+
+def test_a_misspelt_engine_argument_lists_the_valid_names():
+    with pytest.raises(TypeError, match=r"unknown engine argument 'max_num_seq'; valid: block_size, .*max_num_seqs"):
+        engine(max_num_seq=4)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_abort_request_frees_its_blocks_and_leaves_the_others_exact(mode):
+    """`abort_request` (a client went away) drops a request wherever it is — running, waiting, or swapped out with
+    its KV in the host pool — and gives its blocks back at once; the other requests still get HF's tokens."""
+    llm = engine(num_kv_blocks=16, max_num_seqs=3, preemption_mode=mode, swap_space_blocks=16)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(20)] for i in range(3)]
+    ids = [llm.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts]
+    victim, kept, done, aborted_where = ids[1], {}, {}, None
+    while llm.has_unfinished_requests():
+        finished, trace = llm.step()
+        done.update({o.request_id: o for o in finished})
+        seqs = llm.samples.get(victim)
+        if aborted_where is None and seqs and (mode == "recompute" and trace.num_running == 3 or
+                                               mode == "swap" and seqs[0] in llm.scheduler.offloaded):
+            aborted_where = seqs[0].status.value
+            assert llm.abort_request(victim)
+            llm.scheduler.check_invariants()
+    assert aborted_where == ("running" if mode == "recompute" else "preempted")
+    assert not llm.abort_request(victim) and not llm.abort_request("no such request")
+    assert victim not in done and set(done) == {ids[0], ids[2]}
+    for i in (0, 2):
+        assert done[ids[i]].outputs[0].token_ids == hf_greedy(MODEL, prompts[i], 30)
+    assert llm.block_manager.num_used_blocks == 0
+    if mode == "swap":   # every host pool block is back
+        space = llm.scheduler.preemption.space
+        assert len(space.free_ids) == space.num_swap_blocks and not space.tables

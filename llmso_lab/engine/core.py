@@ -1,5 +1,5 @@
 """The engine's core: `LLMEngine`, the four-step `step()` loop over the scheduler and the model runner, and the
-request API (`add_request`, `step`, `abort`, `generate`, `stats`). It names no feature: each one plugs in through
+request API (`add_request`, `step`, `abort_request`, `generate`, `stats`). It names no feature: each one plugs in through
 the seams of the scheduler and the model runner, or as an object whose hooks the loop calls (`engine.features`).
 `LLM` (`engine.llm`) is the offline front door built on it."""
 from __future__ import annotations
@@ -19,7 +19,6 @@ from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.engine.scheduler import SchedulerOutput
 from llmso_lab.engine.sequence import Sequence
 from llmso_lab.workloads import RequestMetrics
-
 
 
 class LLMEngine:
