@@ -81,6 +81,7 @@ def test_bytes_per_token_and_blocks_under_a_fixed_budget(fmt):
     if fmt == "auto":
         measured = sum(t.numel() * t.element_size() for t in (runner.k_cache, runner.v_cache)) / ((llm.config.num_kv_blocks + 1) * bs)
         fixed = 0
+        assert (runner.kv_store.bytes_per_token(), runner.kv_store.fixed_bytes()) == (measured, 0)   # the same interface
     else:
         measured, fixed = runner.kv_store.bytes_per_token(), runner.kv_store.fixed_bytes()
     assert measured == per_token                                         # the engine's own tensors

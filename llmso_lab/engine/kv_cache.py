@@ -2,7 +2,7 @@
 
 A store holds, for every layer, the cache the attention backends read and write (`layer_caches[i] = (K, V)`),
 and moves whole blocks as the scheduler asks: `copy_blocks` (copy-on-write), `swap_out` / `swap_in` (to and from
-a host pool, preemption by swap), `after_step(out)`, `add_per_block` for another per-block tensor that a
+a host pool, preemption by swap), `bytes_per_token()` and `fixed_bytes()` (what the cache costs), `after_step(out)`, `add_per_block` for another per-block tensor that a
 feature keeps beside the KV (it then moves with the blocks), `block_listener()` for a store that must hear when the
 block manager frees or reuses a block, and `transfer_tensors()` (what a KV transfer ships). Implementations:
 
@@ -52,6 +52,15 @@ class PagedKVStore:
             self.pairs = [(self.k_cache, self.k_swap)]
         self.latent = value_dim is not None
         self.layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))   # per-layer views, made once
+
+    def bytes_per_token(self) -> float:
+        """Device bytes one token's KV takes in this store (every layer; a latent cache: its one tensor)."""
+        tensors = [self.k_cache] if self.latent else [self.k_cache, self.v_cache]
+        return sum(t.numel() * t.element_size() for t in tensors) / (self.k_cache.shape[1] * self.k_cache.shape[2])
+
+    def fixed_bytes(self) -> int:
+        """Bytes that do not grow with the blocks: none in a plain cache."""
+        return 0
 
     def add_per_block(self, tensor: Tensor) -> None:
         """Keep `tensor` [n, num_blocks, block_size, ...] in step with the KV blocks (copied and swapped with them)."""
@@ -183,7 +192,7 @@ def layer_caches(store: QuantizedPagedKV, calculate_kv_scales: bool = False) -> 
 
 
 class KiviBlockEvents:
-    """Keeps a KIVI store's per-block state in step with the block manager (`BlockManager.events`).
+    """Keeps a KIVI store's per-block state in step with the block manager (`BlockManager.listener`).
 
     released(block, cached): the block's last holder let go. If the prefix cache keeps it (a full block: hash
       prefix caching caches full blocks only) and it is still in the full-precision window, it is quantized now,

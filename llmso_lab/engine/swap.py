@@ -43,7 +43,7 @@ class SwapSpace:
         """Preempt `seq` by swap: the blocks it holds alone are copied to the CPU pool and released (a cached one
         stays in the prefix cache until evicted); blocks it shares stay on the device, still referenced; blocks
         past its computed tokens hold no K/V yet and are just released. `block_table[i]` becomes None for a block
-        now in the CPU pool at `swap_table[i]`. Returns the (device block, swap block) copies to do before the
+        now in the CPU pool at `tables[seq][i]`. Returns the (device block, swap block) copies to do before the
         next forward."""
         assert self.can_swap_out(seq)
         self.tables[seq] = {}
