@@ -2,9 +2,10 @@
 
 A store holds, for every layer, the cache the attention backends read and write (`layer_caches[i] = (K, V)`),
 and moves whole blocks as the scheduler asks: `copy_blocks` (copy-on-write), `swap_out` / `swap_in` (to and from
-a host pool, preemption by swap), `bytes_per_token()` and `fixed_bytes()` (what the cache costs), `after_step(out)`, `add_per_block` for another per-block tensor that a
-feature keeps beside the KV (it then moves with the blocks), `block_listener()` for a store that must hear when the
-block manager frees or reuses a block, and `transfer_tensors()` (what a KV transfer ships). Implementations:
+a host pool, preemption by swap). It also offers `bytes_per_token()` and `fixed_bytes()` (what the cache costs),
+`after_step(out)`, `add_per_block` for another per-block tensor that a feature keeps beside the KV (it then moves
+with the blocks), `block_listener()` for a store that must hear when the block manager frees or reuses a block, and
+`transfer_tensors()` (what a KV transfer ships). Implementations:
 
 - `PagedKVStore`: plain K and V tensors `[num_layers][num_blocks + 1, block_size, Hkv, D]` (the extra last block is
   the null block that padding tokens write to). With `value_dim` (MLA's latent cache) there is one tensor and the
@@ -17,7 +18,14 @@ block manager frees or reuses a block, and `transfer_tensors()` (what a KV trans
   [num_blocks, block_size, Hkv, D] goes for "auto". The backends only gather whole blocks from a cache
   (`index_select(0, blocks)`), so that is all it offers, dequantized; `write` stores a step's K/V compressed.
 - `KiviBlockEvents`: the block manager tells the KIVI store when a block's last holder lets go (`released`) and
-  when a free block is handed out again (`reused`)."""
+  when a free block is handed out again (`reused`).
+
+FP8 scales: static, 1.0 by default, as vLLM without a checkpoint's scales (SmolLM2's K/V stay far below e4m3's
+448 and e5m2's 57344, and FP8's error is relative, so 1.0 only loses values under FP8's smallest normal number,
+2^-6 (e4m3) / 2^-14 (e5m2)). `calculate_kv_scales=True` (vLLM's name) instead sets each layer's scales from
+the first forward's K/V (absmax / FP8 max, per tensor or per KV head): tighter, but later values beyond that
+range saturate, and the engine's outputs then depend on which requests came first.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -34,7 +42,30 @@ if TYPE_CHECKING:
 Mapping = list[tuple[int, int]]
 
 
-class PagedKVStore:
+class HostPool:
+    """Block moves between the device and a host pool, over `self.pairs` = [(device tensor, host tensor)], each
+    [n, blocks, ...]: what both stores do for preemption by swap."""
+    pairs: list[tuple[Tensor, Tensor]]
+    device: torch.device
+
+    @torch.inference_mode()
+    def swap_out(self, mapping: Mapping) -> None:
+        """Copy device blocks to the host pool: mapping [(device block, host block)]."""
+        if mapping:
+            src, dst = (torch.tensor(x) for x in zip(*mapping))
+            for cache, pool in self.pairs:
+                pool.index_copy_(1, dst, cache.index_select(1, src.to(self.device)).cpu())
+
+    @torch.inference_mode()
+    def swap_in(self, mapping: Mapping) -> None:
+        """Copy host blocks back to the device: mapping [(host block, device block)]."""
+        if mapping:
+            src, dst = (torch.tensor(x) for x in zip(*mapping))
+            for cache, pool in self.pairs:
+                cache.index_copy_(1, dst.to(self.device), pool.index_select(1, src).to(self.device))
+
+
+class PagedKVStore(HostPool):
     """Plain paged K/V tensors on the device and a host pool of `num_swap_blocks` blocks with the same layout."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -75,22 +106,6 @@ class PagedKVStore:
             for cache, _ in self.pairs:
                 cache.index_copy_(1, dst, cache.index_select(1, src))
 
-    @torch.inference_mode()
-    def swap_out(self, mapping: Mapping) -> None:
-        """Copy device blocks to the host pool: mapping [(device block, host block)]."""
-        if mapping:
-            src, dst = (torch.tensor(x) for x in zip(*mapping))
-            for cache, pool in self.pairs:
-                pool.index_copy_(1, dst, cache.index_select(1, src.to(self.device)).cpu())
-
-    @torch.inference_mode()
-    def swap_in(self, mapping: Mapping) -> None:
-        """Copy host blocks back to the device: mapping [(host block, device block)]."""
-        if mapping:
-            src, dst = (torch.tensor(x) for x in zip(*mapping))
-            for cache, pool in self.pairs:
-                cache.index_copy_(1, dst.to(self.device), pool.index_select(1, src).to(self.device))
-
     def after_step(self, out) -> None:
         """After a step: nothing to settle in a plain cache."""
 
@@ -102,7 +117,7 @@ class PagedKVStore:
         return [self.k_cache] if self.latent else [self.k_cache, self.v_cache]
 
 
-class QuantizedKVStore(QuantizedPagedKV):
+class QuantizedKVStore(QuantizedPagedKV, HostPool):
     """A `QuantizedPagedKV` with the store interface: the backends get per-layer `LayerKV` objects, copy-on-write and
     swapping move every per-block tensor (codes AND scales; KIVI's window / sealed state goes with a copy)."""
 
@@ -118,8 +133,6 @@ class QuantizedKVStore(QuantizedPagedKV):
         self.layer_caches = layer_caches(self, config.calculate_kv_scales)
         raw = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in self.per_block.values()]   # fp8: as bytes
         self.pairs = [(t, torch.zeros((t.shape[0], config.swap_space_blocks, *t.shape[2:]), dtype=t.dtype)) for t in raw]
-
-    swap_out, swap_in = PagedKVStore.swap_out, PagedKVStore.swap_in
 
     def add_per_block(self, tensor: Tensor) -> None:
         raise ValueError("a quantized KV cache keeps no other per-block tensors; use kv_cache_dtype='auto'")

@@ -71,7 +71,8 @@ class SwapSpace:
         found = [self._cached_copy(seq, i) for i in self.tables.get(seq, {})]
         needed = sum(1 for b in found if b is None or self.bm.blocks[b].ref_count == 0)
         extra = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.bm.block_size) - len(seq.block_table))
-        first, end = seq.num_computed_tokens // self.bm.block_size, cdiv(seq.num_computed_tokens + num_new_tokens, self.bm.block_size)
+        bs = self.bm.block_size
+        first, end = seq.num_computed_tokens // bs, cdiv(seq.num_computed_tokens + num_new_tokens, bs)
         cow = sum(1 for b in seq.block_table[first:end] if b is not None and self.bm.blocks[b].ref_count > 1)   # kept, shared
         return needed + extra + cow <= self.bm.num_free_blocks
 
@@ -90,8 +91,8 @@ class SwapSpace:
                 block_id = self.bm._take_free_block()
                 copies.append((swap_id, block_id))
                 if i < len(seq.prefix_ids) and seq.prefix_ids[i] is not None:
-                    self.bm._cache_block(block_id, seq.prefix_ids[i - 1] if i else ROOT, self.bm._block_tokens(seq, i),
-                                      seq.prefix_ids[i])
+                    self.bm._cache_block(block_id, seq.prefix_ids[i - 1] if i else ROOT,
+                                         self.bm._block_tokens(seq, i), seq.prefix_ids[i])
             seq.block_table[i] = block_id
             self.free_ids.append(swap_id)
         del self.tables[seq]
