@@ -284,3 +284,29 @@ def test_child_prelude_imports_triton_only_where_a_cell_can_use_it():
     assert "import triton" in prelude({"launcher": "llmso_lab.attention.tile_launcher:launch_attn_fwd_tile", "source": ""})
     assert "import triton" not in prelude({"launcher": None, "source": "def kv(tlx, tritonic):\n    return tlx\n"})
     assert "import torch" in prelude({"launcher": None, "source": ""})
+
+
+def test_harness_exercises_run_the_students_object_inside_the_library(monkeypatch):
+    """A mechanism exercise: the library's harness calls the student's function; the expected value is the same
+    harness run with the reference. A harness cannot be disabled, and takes no class kind or launcher."""
+    from llmso_lab.grading import Case, Exercise
+    from llmso_lab.grading.registry import register
+    from llmso_lab.grading.check import check_target, outcome_in_process
+    from llmso_lab.grading.compare import exact
+    from llmso_lab.grading.grader import expected_values
+    from llmso_lab.grading.protocol import verdict
+
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    ex = Exercise("square", "99", 10, "harness_ref:square", [Case("x = 3", (3,))], compare=exact(),
+                  harness="harness_ref:run_on_two")
+    assert expected_values(ex) == [[9, 16]]
+    target, _ = check_target(ex, lambda x: x * x)
+    assert target(3) == [9, 16]
+    assert verdict(ex, ex.cases[0], outcome_in_process(ex, lambda x: x * x, 0), [9, 16]) is None
+    assert verdict(ex, ex.cases[0], outcome_in_process(ex, lambda x: 2 * x, 0), [9, 16]) is not None
+    with pytest.raises(ValueError, match="kind 'function'"):
+        register(Exercise("square_cls", "99", 10, "harness_ref:square", [], kind="class",
+                          harness="harness_ref:run_on_two"))
+    with pytest.raises(ValueError, match="must not be disabled"):
+        register(Exercise("square_dis", "99", 10, "harness_ref:square", [], harness="harness_ref:run_on_two",
+                          tripwires=("harness_ref:run_on_two",)))

@@ -1,6 +1,8 @@
 """Lab 04's exercise variants (see lab_variants.py): `wrong` ones must lose points, `right` ones keep them."""
 from __future__ import annotations
 
+# Pieces shared by several variants: a whole BlockAllocator (correct; the wrong ones edit one line of it), the
+# given driver of the prefix-cache exercise, and a correct sha256 chain and longest-prefix walk.
 ALLOCATOR = """\
 class BlockAllocator:
     def __init__(self, num_blocks, block_size):

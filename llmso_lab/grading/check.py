@@ -46,12 +46,22 @@ class CheckResult:
 def check_target(ex: Exercise, obj):
     """(what to call, its source file) for the object the student defined; a kernel goes through the
     library's launcher, as in the grader."""
+    if ex.harness is not None:
+        return partial(resolve(ex.harness), obj), _source_file(obj)
     if ex.launcher is None:
-        return obj, getattr(getattr(obj, "__code__", None), "co_filename", None)
+        return obj, _source_file(obj)
     code = getattr(getattr(obj, "fn", None), "__code__", None)
     if not callable(getattr(obj, "run", None)) or code is None:
         raise TypeError(f"`{ex.graded_name}` must be a @triton.jit kernel")
     return partial(resolve(ex.launcher), obj), code.co_filename
+
+
+def _source_file(obj) -> str | None:
+    """The file a function (or the first method of a class) was defined in."""
+    code = getattr(obj, "__code__", None)
+    if code is None and isinstance(obj, type):
+        code = next((f.__code__ for f in vars(obj).values() if hasattr(f, "__code__")), None)
+    return getattr(code, "co_filename", None)
 
 
 def spec_functions() -> list[str]:
@@ -89,7 +99,7 @@ def check(name: str, fn=None) -> CheckResult:
         check_target(ex, fn)
     except TypeError as exc:
         return CheckResult(ex.name, 0, 0, [str(exc)])
-    oracle = resolve(ex.oracle or ex.reference)
+    oracle = ex.expected_target()
     lines, passed, public = [], 0, [i for i, c in enumerate(ex.cases) if not c.hidden]
     for i in public:
         expected = expected_value(oracle, ex.cases[i], ex.kind)

@@ -74,7 +74,7 @@ class ExerciseResult:
 
 def expected_values(ex: Exercise) -> list[Any]:
     """Run the library reference on every case (in this, the grading, process)."""
-    oracle = resolve(ex.oracle or ex.reference)
+    oracle = ex.expected_target()
     return [expected_value(oracle, case, ex.kind) for case in ex.cases]
 
 
@@ -181,7 +181,8 @@ def _run_job(ex: Exercise, source: str, timeout_s: float, rt: Runtime) -> tuple[
                 sandbox.restrict_to_job(str(job_root), slot.uid)
             rlimits = {"AS": ex.memory_mb * 2**20, "CPU": int(2 * timeout_s + 10), "FSIZE": 64 * 2**20, "CORE": 0,
                        "NOFILE": 1024}
-            job = {"exercise": ex.key, "graded_name": ex.graded_name, "launcher": ex.launcher, "kind": ex.kind,
+            job = {"exercise": ex.key, "graded_name": ex.graded_name, "launcher": ex.launcher, "harness": ex.harness,
+                   "kind": ex.kind,
                    "source": source, "runtime_tripwires": runtime_tripwires,
                    "operator_tripwires": operator_tripwires(ex.disabled),
                    "rlimits": None if rt.isolation.supervised else rlimits}
@@ -322,6 +323,9 @@ def grade_exercise(ex: Exercise, source: str | None, timeout_s: float | None = N
     if ex.launcher and passed < total:
         lines.append(f"note: graded is your kernel `{ex.graded_name}`, launched by {ex.launcher.replace(':', '.')}; "
                      "other functions in the cell are not called, so the work must happen inside the kernel")
+    if ex.harness and passed < total:
+        lines.append(f"note: graded is your `{ex.graded_name}`, run for real by {ex.harness.replace(':', '.')} "
+                     "(see its docstring for what it is given and what it must return)")
     if passed == 0 and total > 1 and len(set(reasons)) == 1:
         # the same reason for every check (e.g. "not implemented yet"): say it once
         lines = [ln for ln in lines if not ln.startswith("FAIL ")] + [f"FAIL all {total} checks: {reasons[0]}"]

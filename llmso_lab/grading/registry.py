@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,6 +65,9 @@ class Exercise:
                                      # implementations of the same idea that would do the work)
     triton_kernel: str | None = None  # kernel exercises: the @triton.jit function graded, launched through
     launcher: str | None = None       # `launcher(kernel, *args, **kwargs)` from the library, never the student's
+    harness: str | None = None   # mechanism exercises: the library runs the student's function or class for real,
+                                 # `harness(obj, *args, **kwargs)` (e.g. the engine with the student's drafter plugged
+                                 # in); its expected value is the same harness run with the reference (or `oracle`)
 
     @property
     def disabled(self) -> tuple[str, ...]:
@@ -79,6 +83,14 @@ class Exercise:
     def graded_name(self) -> str:
         """The name the grader looks up in the exercise cell."""
         return self.triton_kernel or self.name
+
+    def expected_target(self) -> Callable:
+        """What computes the expected values, in the grading process: the oracle, else the reference (run by the
+        harness where there is one)."""
+        if self.oracle:
+            return resolve(self.oracle)
+        ref = resolve(self.reference)
+        return partial(resolve(self.harness), ref) if self.harness else ref
 
     def comparator(self, case: Case) -> Comparator:
         return case.compare or self.compare
@@ -101,6 +113,11 @@ def register(*exs: Exercise) -> None:
                              "across labs (check() finds exercises by name)")
         if (ex.triton_kernel is None) != (ex.launcher is None):
             raise ValueError(f"exercise {ex.name}: a Triton exercise needs both triton_kernel and launcher")
+        if ex.harness and (ex.launcher or ex.kind != "function"):
+            raise ValueError(f"exercise {ex.name}: a harness exercise is kind 'function' (the harness is what is "
+                             "called; the student's class or function is its first argument) and has no launcher")
+        if ex.harness and ex.harness in ex.disabled:
+            raise ValueError(f"exercise {ex.name}: the harness {ex.harness} must not be disabled while grading")
         for ref in ex.disabled:
             if (why := why_not_disableable(ref)) is not None:
                 raise ValueError(f"exercise {ex.name}: cannot disable {ref} while grading ({why})")
