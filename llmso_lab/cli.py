@@ -129,6 +129,13 @@ def _cmd_bench(args) -> int:
             print(f"error: benchmark {name!r} has no --dtype", file=sys.stderr)
             return 2
         kwargs["dtype"] = args.dtype
+    for opt in ("base_url", "rates", "num_prompts", "workload", "model", "slo_ttft_ms", "slo_tpot_ms"):
+        if getattr(args, opt) is not None:
+            if opt not in inspect.signature(mod.run).parameters:
+                flag = "--rate" if opt == "rates" else "--" + opt.replace("_", "-")
+                print(f"error: benchmark {name!r} has no {flag}", file=sys.stderr)
+                return 2
+            kwargs[opt] = getattr(args, opt)
     res = mod.run(quick=args.quick, **kwargs)
     res.setdefault("command", " ".join(["llmso-lab", *sys.argv[1:]]))
     res.setdefault("date", datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -164,6 +171,20 @@ def _cmd_demo(args) -> int:
     return run_demo(out_dir=Path(args.out))
 
 
+ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks", "dtype",
+                "quantization", "kv_cache_dtype", "scheduling_policy", "seed", "enable_prefix_caching",
+                "enable_chunked_prefill")
+
+
+def _cmd_serve(args) -> int:
+    from llmso_lab.serve import serve
+
+    engine_args = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+          served_model_name=args.served_model_name, **engine_args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llmso-lab", description="LLM serving optimization labs")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -182,7 +203,29 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true", help="smaller workload (about a minute)")
     b.add_argument("--json", help="write the figures to this JSON file")
     b.add_argument("--dtype", help="engine dtype where the benchmark takes one (batching, vllm): auto, float32, bfloat16, float16")
+    b.add_argument("--base-url", help="serve: the OpenAI-compatible server to load (default: start the engine's own)")
+    b.add_argument("--rate", type=float, action="append", dest="rates", help="serve: requests/s (repeat for a sweep; inf: all at once)")
+    b.add_argument("--num-prompts", type=int, help="serve: requests per rate")
+    b.add_argument("--workload", help="serve: random, chat or shared-prefix")
+    b.add_argument("--model", help="serve: the model name to request (default: the server's first)")
+    b.add_argument("--slo-ttft-ms", type=float, help="serve: the TTFT goodput counts against")
+    b.add_argument("--slo-tpot-ms", type=float, help="serve: the TPOT goodput counts against")
     b.set_defaults(fn=_cmd_bench)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server in front of the engine (vLLM's `vllm serve`), on 127.0.0.1")
+    sv.add_argument("model", nargs="?", default="smollm2-135m", help="registry name (default smollm2-135m)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 route")
+    sv.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests that may wait beyond max_num_seqs; more get HTTP 503 (default 64)")
+    for flag, kind in (("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--max-model-len", int),
+                       ("--block-size", int), ("--num-kv-blocks", int), ("--dtype", str), ("--quantization", str),
+                       ("--kv-cache-dtype", str), ("--scheduling-policy", str), ("--seed", int)):
+        sv.add_argument(flag, type=kind, help="engine argument (vLLM's name)")
+    sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    sv.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    sv.set_defaults(fn=_cmd_serve)
     r = sub.add_parser("release", help="generate labs/ from solutions/ and build the student bundle")
     r.add_argument("--out", help="write the student bundle here")
     r.add_argument("--check", action="store_true", help="fail if labs/ differs from what solutions/ generates")
