@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 export TRITON_INTERPRET ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 0 || echo 1)
 
-.PHONY: setup peers-kvpress peers-vllm demo test test-fast lab release gpu-bench clean
+.PHONY: setup peers-kvpress peers-vllm demo serve-demo test test-fast lab release gpu-bench clean
 
 setup: $(VENV)/.installed $(PEERS)/.installed
 
@@ -74,6 +74,12 @@ demo: setup
 # on a fresh clone on 2 cores, much of it sandboxed grading children that run one thread each), then every solution
 # notebook top to bottom in one process (nbval, outputs not compared; two notebooks at once were slower here).
 TEST_WORKERS ?= 2
+# The live version of the demo: the engine's OpenAI-compatible server on 127.0.0.1 (a free port), loaded by the
+# `bench serve` client (Poisson arrivals, streamed) with chunked prefill, then with prefix caching; client-side TTFT,
+# TPOT, ITL and goodput beside the server's own /metrics TTFT. About two minutes; the server stops by itself.
+serve-demo: setup
+	$(PY) -m llmso_lab.cli bench serve --quick
+
 test: setup
 	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra --nbval-lax --nbval-current-env -p no:cacheprovider --durations=15 solutions

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Leaf modules: each may import other leaves, never the engine's upper layers (LLM, scheduler, runner, features).
 LEAVES = ["llmso_lab.engine.ops", "llmso_lab.engine.cache_sizing", "llmso_lab.hardware", "llmso_lab.engine.kv_cache",
-          "llmso_lab.engine.inputs",
+          "llmso_lab.engine.inputs", "llmso_lab.engine.logits_processors", "llmso_lab.engine.detokenizer",
           "llmso_lab.engine.sequence", "llmso_lab.engine.attention", "llmso_lab.engine.config",
           "llmso_lab.kv.block_manager", "llmso_lab.parallel.heads"]
 UPPER = ("llmso_lab.engine.llm", "llmso_lab.engine.core", "llmso_lab.engine.scheduler", "llmso_lab.engine.model_runner",

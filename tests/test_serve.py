@@ -12,7 +12,7 @@ import pytest
 from llmso_lab.engine import LLM, SamplingParams
 from llmso_lab.models.tiny import tiny_llama
 from llmso_lab.serve import running_server
-from llmso_lab.serve.detokenizer import IncrementalDetokenizer
+from llmso_lab.engine.detokenizer import IncrementalDetokenizer
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -133,7 +133,10 @@ def test_stop_strings_end_the_answer_before_them_and_free_the_blocks(server, mod
     ({"model": "other", "prompt": [1, 2]}, "model", "does not exist"),
     ({"model": "tiny", "prompt": [1, 2], "max_tokens": -3}, "max_tokens", "greater than or equal to 1"),
     ({"model": "tiny", "prompt": [1, 2], "frobnicate": 1}, "frobnicate", "unsupported field"),
-    ({"model": "tiny", "prompt": [1, 2], "logprobs": 2}, "logprobs", "not supported by this server yet"),
+    ({"model": "tiny", "prompt": [1, 2], "best_of": 2}, "best_of", "not supported by this server"),
+    ({"model": "tiny", "prompt": [1, 2], "presence_penalty": 3}, "presence_penalty", "must be in [-2, 2]"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs",
+     "needs logprobs: true"),
     ({"model": "tiny", "prompt": [1] * 600}, None, "prompt has 600 tokens but max_model_len is 512"),
     ({"model": "tiny", "prompt": [1, 2], "max_tokens": 511}, None, "maximum context length is 512"),
     ({"model": "tiny", "prompt": [1, 99999]}, None, "token ids must be ints in [0, 64)"),
@@ -145,6 +148,25 @@ def test_bad_input_gets_an_openai_error_that_names_the_field(server, body, param
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param and words in err["message"]
+
+
+def test_penalties_and_logprobs_pass_through_as_the_offline_engine_gives_them(server, model):
+    params = dict(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.5,
+                  min_tokens=2, logprobs=2)
+    ref = offline(model, [5, 6, 7, 8], **params)
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7, 8], **params},
+                   timeout=30).json()["choices"][0]
+    assert r["text"] == ref.text != offline(model, [5, 6, 7, 8], max_tokens=8, ignore_eos=True).text
+    lp = r["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-6)
+    assert "".join(lp["tokens"]) == ref.text and all(len(top) <= 2 for top in lp["top_logprobs"])
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 3, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=30) as resp:
+        content = [c for e in events(resp)[1:-1] for c in (e["choices"][0]["logprobs"] or {}).get("content", [])]
+    ref = offline(model, ToyTokenizer().encode("userhiassistant"), max_tokens=4, ignore_eos=True, logprobs=3)
+    assert [c["logprob"] for c in content] == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-6)
+    assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode()) for c in content)
 
 
 def test_malformed_json_and_the_server_keeps_serving(server):
@@ -280,3 +302,74 @@ def socket_free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield sock.getsockname()[1]
+
+
+def test_the_openai_client_streams_and_not(server, model):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    ref = offline(model, [5, 6, 7, 8], max_tokens=10, ignore_eos=True)
+    done = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.choices[0].text == ref.text and done.usage.completion_tokens == 10
+    parts = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=10, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in parts if c.choices) == ref.text
+    chat_ref = offline(model, ToyTokenizer().encode("userhiassistant"), max_tokens=6, ignore_eos=True)
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == chat_ref.text and reply.choices[0].message.role == "assistant"
+    chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref.text
+    assert chunks[-1].usage.completion_tokens == 6
+    from openai import BadRequestError
+    with pytest.raises(BadRequestError, match="does not exist"):
+        client.completions.create(model="nope", prompt=[1], max_tokens=2)
+
+
+def test_many_streams_at_once_get_the_offline_greedy_tokens(server, model):
+    prompts = [[3 + i, 10 + 2 * i, 7, 40 - i] for i in range(12)]
+    refs = LLM(model, ToyTokenizer(), **ENGINE).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True),
+                                                          use_tqdm=False)
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            async def one(p):
+                body = {"model": "tiny", "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                        "stream": True}
+                text = ""
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            text += json.loads(line[6:])["choices"][0]["text"]
+                return text
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(all_at_once()) == [r.outputs[0].text for r in refs]   # 12 streams, max_num_seqs 4: queued
+    wait_idle(server.llm)
+    assert server.llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_failed_engine_fails_what_is_in_flight_and_answers_503(model, monkeypatch):
+    with running_server(model, ToyTokenizer(), served_model_name="tiny", **ENGINE) as s:
+        def broken():
+            raise RuntimeError("simulated kernel failure")
+        monkeypatch.setattr(s.llm.engine, "step", broken)
+        body = {"model": "tiny", "prompt": [3, 4], "max_tokens": 4}
+        r = httpx.post(f"{s.base_url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "simulated kernel failure" in r.json()["error"]["message"]
+        assert httpx.get(f"{s.base_url}/health").status_code == 503
+        again = httpx.post(f"{s.base_url}/v1/completions", json=body, timeout=30)
+        assert again.status_code == 503 and "restart the server" in again.json()["error"]["message"]
+
+
+def test_bench_options_belong_to_bench_serve():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "llmso_lab.cli", "bench", "cow", "--rate", "2"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "benchmark 'cow' has no --rate" in proc.stderr

@@ -14,7 +14,7 @@ from llmso_lab.engine.config import EngineConfig
 from llmso_lab.engine.inputs import Prompt, _eos_token_ids, _resolve_model, as_batch, prompt_token_ids
 from llmso_lab.engine.metrics import StepTrace, trace_schedule
 from llmso_lab.engine.outputs import CompletionOutput, RequestOutput
-from llmso_lab.engine.sampler import Sampler, sample_token
+from llmso_lab.engine.sampler import Sampler
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.engine.scheduler import SchedulerOutput
 from llmso_lab.engine.sequence import Sequence
@@ -36,7 +36,7 @@ class LLMEngine:
         self.block_manager = self.scheduler.block_manager
         self.model_runner = features.model_runner(self.model, c)
         self.block_manager.listener = self.model_runner.block_listener()
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         self.num_requests = self.num_seqs = self.num_steps = self.num_finished = 0
         self.num_prompt_tokens = self.num_generated_tokens = self.num_computed_tokens = self.num_padded_tokens = 0
         self.busy_time_s, self.peak_blocks_used = 0.0, 0
@@ -169,7 +169,7 @@ class LLMEngine:
         if len(sampling) < len(logits):
             logits = logits.index_select(0, torch.tensor([r for r, _ in sampling], dtype=torch.int64, device=logits.device))
         seqs = [seq for _, seq in sampling]
-        tokens = self.sampler(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs]) if seqs else []
+        tokens = self.sampler(logits, seqs) if seqs else []
         sampled: dict[int, int | list[int]] = {s.seq_id: t for s, t in zip(seqs, tokens)}
         sampled.update({seq_id: t for seq_id, t in taken.items() if t is not None})
         self._hook("after_sample", out, sampled)
@@ -182,7 +182,7 @@ class LLMEngine:
             for i in range(1, seq.num_pending_forks + 1):
                 child = self.fork(seq, i, seq.seed + i)
                 child.token_ids.pop()   # the parent's first token: the child draws its own from the same logits
-                self.scheduler.append_token(child, sample_token(logits[r].cpu(), seq.sampling_params, child.generator), now)
+                self.scheduler.append_token(child, self.sampler.sample(logits[r], child), now)
                 self.num_generated_tokens += 1
             seq.num_pending_forks = 0
         self._hook("after_update", now)
@@ -207,7 +207,8 @@ class LLMEngine:
                                  max(s.finish_time for s in samples), first.num_prompt_tokens,
                                  sum(s.num_output_tokens for s in samples), sum(s.num_preemptions for s in samples),
                                  first.first_scheduled_time, times)
-        outputs = [CompletionOutput(s.sample_index, self.decode(s.output_token_ids), s.output_token_ids, s.finish_reason)
+        outputs = [CompletionOutput(s.sample_index, self.decode(s.output_token_ids) if s.output_text is None else s.output_text,
+                                    s.output_token_ids, s.finish_reason, s.logprobs if s.sampling_params.logprobs is not None else None)
                    for s in samples]
         return RequestOutput(first.request_id, first.prompt, list(first.prompt_token_ids), outputs, True, metrics,
                              first.num_cached_tokens)

@@ -80,6 +80,7 @@ ALWAYS_REPORTED = {"num_preemptions_swap": 0, "kv_evicted_blocks": 0}
 # Adding one: a module with a class taking the engine, and one line here.
 HOOKED = [
     (lambda c: True, "llmso_lab.engine.beam_search:BeamSearch"),                      # LLM.beam_search (lecture 1-2)
+    (lambda c: True, "llmso_lab.engine.stop_strings:StopStrings"),                    # SamplingParams.stop
     (lambda c: c.batching != "continuous", "llmso_lab.engine.lockstep:LockstepBatching"),   # static / dynamic (1-1)
     (lambda c: c.eviction is not None, "llmso_lab.kv.streaming:StreamingKVEviction"),   # StreamingLLM blocks (2-4)
     (lambda c: c.spec is not None, "llmso_lab.spec.engine:SpeculativeDecoding"),       # speculative decoding (2-1)

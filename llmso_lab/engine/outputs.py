@@ -11,7 +11,8 @@ class CompletionOutput:
     index: int
     text: str                    # decoded output ("" without a tokenizer)
     token_ids: list[int]         # output tokens (an EOS / stop token that ended it included)
-    finish_reason: str | None    # "stop" (EOS or a stop id) | "length" (max_tokens or max_model_len)
+    finish_reason: str | None    # "stop" (EOS, a stop id or a stop string) | "length" (max_tokens or max_model_len)
+    logprobs: list[dict] | None = None   # SamplingParams.logprobs: per token {"token_id", "logprob", "top"}
 
 
 @dataclass(slots=True)

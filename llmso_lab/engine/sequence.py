@@ -46,6 +46,8 @@ class Sequence:
     num_dropped_blocks: int = 0        # blocks removed from the table (their KV is gone); the cache holds
                                        # num_computed_tokens - num_dropped_blocks * block_size of its tokens
     finish_reason: str | None = None   # "stop" | "length"
+    output_text: str | None = None     # the answer's text where a stop string cut it (`engine.stop_strings`)
+    logprobs: list[dict] = field(default_factory=list)   # per output token, when the request asked (`engine.sampler`)
     num_preemptions: int = 0
     predicted_len: float = 0.0         # SJF: predicted output tokens still to generate (set by the policy)
     first_scheduled_time: float | None = None

@@ -22,10 +22,8 @@ from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.serve.async_llm import AsyncLLM, Delta, EngineDead, Overloaded, RequestStream, Usage
 from llmso_lab.serve.metrics import CONTENT_TYPE, ServerMetrics
 
-# OpenAI / vLLM fields this server does not implement yet: accepted at their "off" value, refused otherwise.
-NOT_YET = {"logprobs": None, "top_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-           "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "logit_bias": None, "echo": False,
-           "best_of": None, "suffix": None}
+# OpenAI / vLLM fields this server does not implement: accepted at their "off" value, refused otherwise.
+NOT_YET = {"logit_bias": None, "echo": False, "best_of": None, "suffix": None}
 
 
 class StreamOptions(BaseModel):
@@ -48,24 +46,30 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None   # sent by OpenAI clients; not used
-    # not implemented yet (see NOT_YET)
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
-    logit_bias: dict | None = None
+    logit_bias: dict | None = None   # not implemented (NOT_YET)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         for name, off in NOT_YET.items():
-            value = getattr(self, name, off)
-            if value != off and not (off is None and value is False):
-                raise BadField(name, f"{name} is not supported by this server yet; leave it out")
-        return SamplingParams(n=self.n, max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos,
-                              stop_token_ids=self.stop_token_ids)
+            if getattr(self, name, off) != off:
+                raise BadField(name, f"{name} is not supported by this server; leave it out")
+        try:
+            return SamplingParams(n=self.n, max_tokens=self.max_tokens or default_max_tokens,
+                                  temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                                  ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids, stop=self.stop_strings or None,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                                  min_tokens=self.min_tokens, logprobs=self.num_logprobs)
+        except ValueError as exc:   # SamplingParams names the field first
+            raise BadField(str(exc).split(" ")[0], str(exc)) from None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @property
     def stop_strings(self) -> list[str]:
@@ -74,6 +78,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
+    logprobs: int | None = None   # the top tokens' log-probs per position (and the chosen one's)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -88,6 +93,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class BadField(ValueError):
@@ -179,10 +192,13 @@ def build_app(llm: AsyncLLM, model_name: str, *, api_key: str | None = None) -> 
             return StreamingResponse(sse(stream, head, chat, req.n, include_usage), media_type="text/event-stream")
         try:
             texts, reasons, usage = [""] * req.n, [None] * req.n, None
+            logprobs: list[list[dict] | None] = [None if req.num_logprobs is None else [] for _ in range(req.n)]
             async for item in _until_disconnected(request, stream):
                 if isinstance(item, Delta):
                     texts[item.index] += item.text
                     reasons[item.index] = item.finish_reason or reasons[item.index]
+                    if item.logprobs:
+                        logprobs[item.index] += item.logprobs
                 else:
                     usage = item
         except EngineDead as exc:
@@ -192,9 +208,9 @@ def build_app(llm: AsyncLLM, model_name: str, *, api_key: str | None = None) -> 
                 llm.abort(stream)
         if usage is None:   # the client went away
             return Response(status_code=499)
-        choices = [({"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-                    if chat else {"index": i, "text": t, "logprobs": None, "finish_reason": r})
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [({"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
+                    if chat else {"index": i, "text": t, "finish_reason": r})
+                   | {"logprobs": _logprobs(lp, chat, engine.decode)} for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                 "usage": _usage(usage)}
 
@@ -211,7 +227,8 @@ def build_app(llm: AsyncLLM, model_name: str, *, api_key: str | None = None) -> 
                     continue
                 choice = ({"index": item.index, "delta": {"content": item.text} if item.text else {}}
                           if chat else {"index": item.index, "text": item.text})
-                yield _event({**head, "choices": [{**choice, "logprobs": None, "finish_reason": item.finish_reason}]})
+                yield _event({**head, "choices": [{**choice, "logprobs": _logprobs(item.logprobs, chat, engine.decode),
+                                                   "finish_reason": item.finish_reason}]})
             yield "data: [DONE]\n\n"
         except EngineDead as exc:
             yield _event({"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}})
@@ -240,6 +257,18 @@ async def _until_disconnected(request: Request, stream: RequestStream, poll_s: f
                 return
     finally:
         nxt.cancel()
+
+
+def _logprobs(entries: list[dict] | None, chat: bool, decode) -> dict | None:
+    """OpenAI's logprobs object for some output tokens: chat's {"content": [...]}, or the completions' parallel lists."""
+    if entries is None:
+        return None
+    if chat:
+        item = lambda t, lp: {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode())}   # noqa: E731
+        return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+                            for e in entries]}
+    return {"tokens": [decode([e["token_id"]]) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{decode([t]): lp for t, lp in e["top"]} for e in entries]}
 
 
 def _usage(u: Usage) -> dict:

@@ -3,9 +3,9 @@
 
 Only the engine thread touches the engine. The server's coroutines hand it requests and aborts through an inbox;
 after every step the thread hands each request's new text to that request's `RequestStream` (an asyncio queue read
-by the HTTP handler). Text comes from `IncrementalDetokenizer`, so stop strings end an answer here: the request is
-aborted in the engine at once (its KV blocks go back) and the answer ends before the stop string. A client that goes
-away is aborted the same way. The engine's public API is all this uses: `validate`, `add_checked`, `step`,
+by the HTTP handler). Text comes from `IncrementalDetokenizer` (the streamed text holds back what could still become
+a stop string; the engine ends the sample at the stop string itself). A client that goes away is aborted: its
+request leaves the engine and its KV blocks go back. The engine's public API is all this uses: `validate`, `add_checked`, `step`,
 `retire_finished`, `abort_request`, `stats`."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from llmso_lab.engine.core import LLMEngine
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.kv.block_manager import cdiv
-from llmso_lab.serve.detokenizer import IncrementalDetokenizer
+from llmso_lab.engine.detokenizer import IncrementalDetokenizer
 from llmso_lab.serve.metrics import ServerMetrics
 from llmso_lab.workloads import RequestMetrics
 
@@ -38,6 +38,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[dict] | None = None   # per token of `token_ids`, when the request asked (`engine.sampler`)
 
 
 @dataclass(slots=True)
@@ -91,9 +92,29 @@ class _Tracked:
         self.ids: list[list[int]] = [[] for _ in range(n)]
 
 
+class _LockedTokenizer:
+    """The tokenizer, one call at a time: the HTTP side encodes while the engine thread decodes, and a Rust-backed
+    Hugging Face tokenizer used from two threads at once fails ("Already borrowed")."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer, self._lock = tokenizer, threading.Lock()
+
+    def __getattr__(self, name):
+        attr = getattr(self._tokenizer, name)
+        if not callable(attr):
+            return attr
+
+        def locked(*args, **kwargs):
+            with self._lock:
+                return attr(*args, **kwargs)
+        return locked
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, *, max_queue: int = 64, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
+        if engine.tokenizer is not None:
+            engine.tokenizer = _LockedTokenizer(engine.tokenizer)
         self.metrics = metrics
         self.max_in_flight = engine.config.max_num_seqs + max_queue
         self.dead: BaseException | None = None
@@ -198,22 +219,19 @@ class AsyncLLM:
         for rid, t in list(self._tracked.items()):
             out = ended.get(rid)
             if out is not None:
-                seqs = [(c.index, c.token_ids, c.finish_reason) for c in out.outputs]
-            else:
-                seqs = [(s.sample_index, s.output_token_ids, None) for s in self.engine.samples.get(rid, [])]
-            for index, ids, reason in seqs:
-                self._advance(t, index, ids, reason)
+                seqs = [(c.index, c.token_ids, c.finish_reason, c.logprobs) for c in out.outputs]
+            else:   # (the engine ends a sample at a stop string itself: `engine.stop_strings`)
+                seqs = [(s.sample_index, s.output_token_ids, None, s.logprobs) for s in self.engine.samples.get(rid, [])]
+            for index, ids, reason, logprobs in seqs:
+                self._advance(t, index, ids, reason, logprobs)
             if out is not None:
                 self._close(t, Usage(len(t.stream.token_ids), sum(len(i) for i in t.ids), out.metrics, out.num_cached_tokens))
-            elif all(t.done):   # every sample hit a stop string: the engine need not go on
-                seqs = self.engine.samples.get(rid, [])
-                self.engine.abort_request(rid)
-                self._close(t, Usage(len(t.stream.token_ids), sum(len(i) for i in t.ids), _metrics(rid, seqs), 0))
 
-    def _advance(self, t: _Tracked, index: int, ids: list[int], reason: str | None) -> None:
+    def _advance(self, t: _Tracked, index: int, ids: list[int], reason: str | None, logprobs: list | None) -> None:
         if t.done[index] is not None:
             return
-        new = list(ids[t.sent[index]:])
+        start = t.sent[index]
+        new = list(ids[start:])
         t.sent[index] = len(ids)
         t.ids[index] += new
         detok = t.detok[index]
@@ -221,7 +239,8 @@ class AsyncLLM:
         if detok.stopped_at is not None:
             reason = "stop"
         if text or new or reason:
-            t.stream.put(Delta(index, text, new, reason))
+            asked = t.stream.params.logprobs is not None
+            t.stream.put(Delta(index, text, new, reason, list(logprobs[start:len(ids)]) if asked and logprobs else None))
         t.done[index] = reason
 
     def _close(self, t: _Tracked, last) -> None:
@@ -239,12 +258,3 @@ class AsyncLLM:
             sch = self.engine.scheduler
             self.metrics.after_step(self.engine.stats(), len(sch.running), len(sch.waiting))
 
-
-def _metrics(request_id: str, seqs) -> RequestMetrics:
-    """Metrics of a request that a stop string ended (the engine did not finish it itself)."""
-    now = time.perf_counter()
-    times = sorted(t for s in seqs for t in s.token_times)
-    first = seqs[0] if seqs else None
-    return RequestMetrics(request_id, first.arrival_time if first else now, times[0] if times else now, now,
-                          first.num_prompt_tokens if first else 0, sum(s.num_output_tokens for s in seqs), 0,
-                          first.first_scheduled_time if first else None, times)

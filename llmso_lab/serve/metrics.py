@@ -3,6 +3,8 @@
 finished request (TTFT, end-to-end) or per output token gap (inter-token latency), with vLLM's bucket bounds."""
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from llmso_lab.workloads import RequestMetrics
@@ -70,3 +72,49 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def parse_scrape(text: str) -> dict[str, list[tuple[dict, float]]]:
+    """Prometheus text -> {metric name: [(labels, value), ...]} (comments skipped; `le="+Inf"` kept as a label)."""
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        labels = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if part) if rest else {}
+        out.setdefault(name, []).append(({k: v.strip('"') for k, v in labels.items()}, float(value)))
+    return out
+
+
+def histogram_buckets(scrape: dict, name: str) -> list[tuple[float, float]]:
+    """[(upper bound `le`, cumulative count)] of histogram `name` in a parsed scrape, summed over its other labels,
+    sorted by bound (+Inf last)."""
+    sums: dict[float, float] = {}
+    for labels, value in scrape.get(f"{name}_bucket", []):
+        le = float(labels["le"])   # float("+Inf") is inf
+        sums[le] = sums.get(le, 0.0) + value
+    return sorted(sums.items())
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """The q-quantile from cumulative histogram buckets [(le, count)], as PromQL's `histogram_quantile` computes it:
+    the bucket where the rank q * total falls, and linear interpolation inside it (its lower bound is the previous
+    bucket's bound, 0 for the first). A rank in the +Inf bucket gives the highest finite bound; no observations, NaN."""
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    if len(buckets) < 2 or not math.isinf(buckets[-1][0]) or buckets[-1][1] == 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    i = next(i for i, (_, count) in enumerate(buckets) if count >= rank)
+    if i == len(buckets) - 1:
+        return buckets[-2][0]
+    upper, count = buckets[i]
+    lower, below = (0.0, 0.0) if i == 0 else buckets[i - 1]
+    if i == 0 and upper <= 0:
+        return upper
+    if count == below:   # an empty bucket at rank 0: Prometheus computes 0/0
+        return math.nan
+    return lower + (upper - lower) * (rank - below) / (count - below)

@@ -34,6 +34,13 @@ class SpeculativeDecoding:
         engine.scheduler.lookahead = self
 
     # ---- the scheduler's lookahead seam ----------------------------------------------------------------------
+    def check_request(self, params) -> None:
+        """Verification draws from `spec.verify.target_probs` (temperature, top-k, top-p), emits several tokens per
+        step and keeps no log-probs: a request that processes its logits, uses min-p or asks for logprobs is refused."""
+        if params.processes_logits or params.min_p > 0 or params.logprobs is not None:
+            raise ValueError("speculative decoding serves temperature / top-k / top-p only: leave out the penalties, "
+                             "min_tokens, min_p and logprobs, or start the engine without speculative_config")
+
     def slots(self, seq) -> int:
         """Draft slots for a decoding `seq`: num_speculative_tokens, fewer near its max_tokens or max_model_len
         (drafts past them could never be used); none for a sequence in a search group (beams)."""
