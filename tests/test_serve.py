@@ -373,3 +373,11 @@ def test_bench_options_belong_to_bench_serve():
     proc = subprocess.run([sys.executable, "-m", "llmso_lab.cli", "bench", "cow", "--rate", "2"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "benchmark 'cow' has no --rate" in proc.stderr
+
+
+def test_vllm_serve_peer_says_how_to_build_it_when_missing(tmp_path, capsys):
+    from llmso_lab.bench.serve import vllm_server
+
+    with vllm_server({"max_num_seqs": 4}, python=tmp_path / "no-venv" / "bin" / "python") as url:
+        assert url is None
+    assert "make peers-vllm" in capsys.readouterr().out

@@ -7,17 +7,23 @@ request rate: throughput, the latency percentiles, goodput under the TTFT/TPOT S
 from its `/metrics` histogram over the same requests (the two should agree, the client's a little larger: it
 includes the HTTP hop). The client needs nothing but the API, so `vllm serve` (from `.venv-vllm`) is measured by
 the same code. Without `--base-url` it starts the engine's server itself (SmolLM2) for each configuration:
-chunked prefill on/off and prefix caching on/off at three rates (`--quick`: fewer requests, one rate).
+chunked prefill on/off and prefix caching on/off at three rates (`--quick`: fewer requests, one rate), and where
+`.venv-vllm` exists (`make peers-vllm`), `vllm serve` on the same cached weights with the same settings beside it.
 
 Prompts are token ids (the completions API takes them: no tokenizer differences between servers); `ignore_eos` and
 `max_tokens` fix each answer's length; greedy."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import os
+import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -187,9 +193,68 @@ def measure(base_url: str, rates=(1.0,), num_prompts: int = 16, workload: str = 
     return rows
 
 
+@contextlib.contextmanager
+def vllm_server(engine_args: dict, *, python: str | Path | None = None, max_model_len: int = 1024,
+                startup_timeout_s: float = 900.0, log_path: str | Path | None = None):
+    """`vllm serve` (from `.venv-vllm`) on 127.0.0.1 with the engine's settings under vLLM's flags; yields its base URL,
+    or None (with the reason printed) where the venv is missing. Stopped on leaving the block. On a CPU: one process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) with the cores' threads, as `bench vllm` found fastest here, and a 1 GiB KV cache."""
+    from llmso_lab.bench.vllm_runner import default_python, missing_venv_message
+    from llmso_lab.models import model_dir
+
+    python = Path(python or default_python())
+    if not python.exists():
+        print(missing_venv_message(python))
+        yield None
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2-135m",
+             "--dtype", str(engine_args.get("dtype", "float32")), "--max-model-len", str(max_model_len),
+             "--max-num-seqs", str(engine_args.get("max_num_seqs", 32)),
+             "--max-num-batched-tokens", str(engine_args.get("max_num_batched_tokens", 2048)),
+             "--enable-prefix-caching" if engine_args.get("enable_prefix_caching") else "--no-enable-prefix-caching",
+             "--enable-chunked-prefill" if engine_args.get("enable_chunked_prefill", True) else "--no-enable-chunked-prefill",
+             "--disable-log-requests"]
+    threads = str(os.cpu_count() or 1)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": threads, "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path or os.devnull, "w")
+    proc = subprocess.Popen([str(python.parent / "vllm"), "serve", str(model_dir("smollm2-135m")), *flags], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        import httpx
+
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was ready (log: {log_path})")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve was not ready within {startup_timeout_s:.0f} s (log: {log_path})")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
 def run(quick: bool = False, base_url: str | None = None, rates=None, num_prompts: int | None = None,
         workload: str | None = None, model: str | None = None, slo_ttft_ms: float = 2000.0,
-        slo_tpot_ms: float = 200.0) -> dict:
+        slo_tpot_ms: float = 200.0, with_vllm: bool = True) -> dict:
     cfg = {**(QUICK if quick else FULL), **{k: v for k, v in (("rates", rates), ("num_prompts", num_prompts),
                                                               ("workload", workload)) if v is not None}}
     kw = dict(rates=cfg["rates"], num_prompts=cfg["num_prompts"], workload=cfg["workload"],
@@ -205,5 +270,12 @@ def run(quick: bool = False, base_url: str | None = None, rates=None, num_prompt
                                 **engine_args) as server:
                 measure(server.base_url, rates=(math.inf,), num_prompts=2, workload="random")   # warm-up
                 table += [{"server": f"engine, {label}", **r} for r in measure(server.base_url, **kw)]
+            if with_vllm:
+                with vllm_server(engine_args, log_path=Path("out") / "vllm_serve.log") as url:
+                    if url is None:
+                        with_vllm = False
+                        continue
+                    measure(url, rates=(math.inf,), num_prompts=2, workload="random")   # warm-up
+                    table += [{"server": f"vllm serve, {label}", **r} for r in measure(url, **kw)]
     return result("serve", quick, f"--base-url {base_url}" if base_url else "", table=rounded(table, 1),
                   workload=lists(cfg), slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms}, **shared_cpu())
