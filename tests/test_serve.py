@@ -381,3 +381,12 @@ def test_vllm_serve_peer_says_how_to_build_it_when_missing(tmp_path, capsys):
     with vllm_server({"max_num_seqs": 4}, python=tmp_path / "no-venv" / "bin" / "python") as url:
         assert url is None
     assert "make peers-vllm" in capsys.readouterr().out
+
+
+def test_the_bench_client_also_runs_inside_an_event_loop(server):
+    """A Jupyter cell runs inside the kernel's event loop, where asyncio.run is refused."""
+    from llmso_lab.bench.serve import measure
+
+    async def cell():
+        return measure(server.base_url, rates=(math.inf,), num_prompts=2, workload="random", token_range=(3, 60))
+    assert asyncio.run(cell())[0]["completed"] == 2

@@ -157,6 +157,17 @@ async def _server_ttft(client) -> tuple[float, float] | None:
     return (total, count) if count or "vllm:time_to_first_token_seconds" in text else None
 
 
+def _run(coro):
+    """asyncio.run, also from inside a running event loop (a Jupyter cell): then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def summarize(sent: list[Sent], duration: float, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     """One row: counts, throughput, TTFT/TPOT/ITL/E2E (ms) mean and p50/p99, goodput under both SLOs."""
     ok = [s for s in sent if s.error is None and s.chunk_times]
@@ -187,7 +198,7 @@ def measure(base_url: str, rates=(1.0,), num_prompts: int = 16, workload: str = 
     reqs = prompts(workload, num_prompts, seed, token_range)
     rows = []
     for rate in rates:
-        sent, duration, server_ttft = asyncio.run(_run_rate(base_url, model, reqs, rate, seed, timeout_s, api_key))
+        sent, duration, server_ttft = _run(_run_rate(base_url, model, reqs, rate, seed, timeout_s, api_key))
         rows.append({"rate": rate, **summarize(sent, duration, slo_ttft_ms, slo_tpot_ms),
                      "server_ttft_mean_ms": 1000 * server_ttft})
     return rows
