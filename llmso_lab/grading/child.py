@@ -83,10 +83,11 @@ def main() -> None:
     torch.set_num_threads(1)
     from llmso_lab.grading.protocol import argument_classes, attempt, describe, recv, send
     from llmso_lab.grading.registry import Case
-    from llmso_lab.grading.tripwire import DispatcherTripwire, disable
+    from llmso_lab.grading.tripwire import DispatcherTripwire, LibraryGuard, disable
 
     disable(job["runtime_tripwires"], job["exercise"])   # builtins; library references are stubs already
     watch = DispatcherTripwire(job["operator_tripwires"], job["exercise"]).install()   # their aten operators
+    guard = LibraryGuard(job.get("harness"), job["exercise"]).install()   # a harness measures in this process
     ns: dict = {"__name__": "__main__"}
     exec(compile(prelude(job), "<prelude>", "exec"), ns)
     # Give the cell a real file so inspect.getsource works (Triton's @jit needs it).
@@ -104,7 +105,8 @@ def main() -> None:
     if target is None:
         return
     classes = argument_classes()   # e.g. hardware.Link: case arguments that are not plain data
-    broken = not watch.intact()   # the cell itself may have removed the dispatcher tripwire
+    # the cell itself may have removed the dispatcher tripwire, or patched what a harness measures with
+    broken = watch.broken_message() if not watch.intact() else guard.broken_message() if not guard.intact() else None
     while True:
         try:
             msg = recv(rfd, classes=classes)
@@ -115,8 +117,11 @@ def main() -> None:
         calls = [(m, tuple(a), dict(k)) for m, a, k in msg["calls"]] if msg["calls"] is not None else None
         case = Case("", tuple(msg["args"]), dict(msg["kwargs"]), calls=calls)
         outcome = attempt(target, case, job["kind"], cell_file)
-        broken = broken or not watch.intact()   # once removed, no later case counts either
-        send(wfd, {"ok": False, "category": "tripwire", "error": watch.broken_message()} if broken else outcome)
+        if not broken and not watch.intact():   # once removed or patched, no later case counts either
+            broken = watch.broken_message()
+        if not broken and not guard.intact():
+            broken = guard.broken_message()
+        send(wfd, {"ok": False, "category": "tripwire", "error": broken} if broken else outcome)
 
 
 if __name__ == "__main__":

@@ -287,3 +287,59 @@ class DispatcherTripwire:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+class LibraryGuard:
+    """What a harness exercise's graded code must leave alone. A harness (`Exercise.harness`) runs in the student's
+    process and measures there (counts, timelines, outputs gathered from ranks), so a cell that replaced the
+    harness's helpers, a library class's method, a torch function or a builtin could forge what it reports.
+    `install` imports the harness's whole subpackage and records the identity of every module-level name and class
+    member of the loaded `llmso_lab` modules, of torch's top level, `torch.Tensor`, `torch.nn.functional` and
+    `torch.distributed`, and of the builtins; `intact()` says whether every recorded name still holds the same object
+    (new names are allowed)."""
+
+    def __init__(self, harness: str | None, exercise: str) -> None:
+        self.harness, self.exercise = harness, exercise
+        self._ids: dict[tuple[int, str], int] = {}
+        self._owners: list[object] = []
+        self.changed: str | None = None
+
+    def install(self) -> "LibraryGuard":
+        import builtins
+        import pkgutil
+        import sys
+
+        if not self.harness:
+            return self
+        module = self.harness.partition(":")[0]
+        package = importlib.import_module(module.rsplit(".", 1)[0])
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            importlib.import_module(info.name)
+        resolve(self.harness)
+        import torch
+        import torch.distributed
+        import torch.nn.functional
+        owners = [builtins, torch, torch.Tensor, torch.nn.functional, torch.distributed]
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("llmso_lab") and mod is not None:
+                owners.append(mod)
+                owners += [c for c in vars(mod).values() if isinstance(c, type) and c.__module__ == name]
+        self._owners = owners
+        self._ids = {(i, k): id(v) for i, owner in enumerate(owners) for k, v in list(vars(owner).items())}
+        return self
+
+    def intact(self) -> bool:
+        for (i, k), ident in self._ids.items():
+            owner = self._owners[i]
+            if id(vars(owner).get(k, _MISSING)) != ident:
+                self.changed = f"{getattr(owner, '__name__', owner)}.{k}"
+                return False
+        return True
+
+    def broken_message(self) -> str:
+        return (f"{MARK}: the graded code replaced `{self.changed}` while exercise '{self.exercise}' was graded; a "
+                "harness measures your code in your process, so the library, torch and the builtins must stay as they "
+                "are. This check and the ones after it are not counted.")
+
+
+_MISSING = object()
