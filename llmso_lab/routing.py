@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["ROUTERS", "prefix_key", "stable_hash", "bounded_load_pick", "Router", "RoundRobin", "LeastLoaded",
+__all__ = ["ROUTERS", "prefix_key", "stable_hash", "bounded_load_pick", "ring_bounded_pick", "route_stream", "Router", "RoundRobin", "LeastLoaded",
            "PrefixAware", "PrefixAwareBounded", "make_router"]
 
 ROUTERS = ("round_robin", "least_loaded", "prefix_aware", "prefix_aware_bounded")
@@ -144,6 +144,50 @@ def bounded_load_pick(candidates: Iterable[int], loads: Sequence[int], c: float)
     order, its home first) whose load stays <= ceil(c * (sum(loads) + 1) / len(loads)) once it takes this request."""
     cap = math.ceil(c * (sum(loads) + 1) / len(loads))
     return next(r for r in candidates if loads[r] + 1 <= cap)
+
+
+def ring_bounded_pick(ring: Sequence[tuple[int, int]], key: int, loads: Sequence[int], c: float) -> int:
+    """Consistent hashing with bounded loads, from the ring itself: `ring` is [(point, replica), ...] sorted by point
+    (each replica owns several points). The key's home is the owner of the first point >= key (past the last point,
+    wrap to the first); walk the ring clockwise from there and take the first replica whose load after this request
+    stays <= ceil(c * (sum(loads) + 1) / len(loads)). Each replica is considered once."""
+    if not ring:
+        raise ValueError("the ring has no points: give each replica at least one")
+    start = bisect.bisect_left([p for p, _ in ring], key)
+    cap = math.ceil(c * (sum(loads) + 1) / len(loads))
+    for j in range(len(ring)):
+        r = ring[(start + j) % len(ring)][1]
+        if loads[r] + 1 <= cap:
+            return r
+    raise ValueError(f"no replica below the bound {cap}: c must be >= 1, got {c}")
+
+
+def route_stream(pick, num_replicas: int, keys: Sequence[int], c: float, hold: int, vnodes: int = 16) -> dict:
+    """Harness of Lab 04's `bounded_load_pick`: run a stream of requests through a router whose decision is `pick`.
+
+    `pick(ring, key, loads, c) -> replica` gets the ring [(point, replica), ...] of `PrefixAware(num_replicas,
+    vnodes)` sorted by point, the request's routing key, a copy of the current loads and c. Request i arrives,
+    is placed on the picked replica, and leaves once `hold` later requests have arrived (so loads rise and fall like a
+    serving cluster's). Returns plain data: every pick, the largest load any replica reached, and the share of
+    requests served by their key's home replica (prefix-cache affinity)."""
+    if num_replicas < 1 or hold < 1:
+        raise ValueError(f"num_replicas and hold must be >= 1, got {num_replicas} and {hold}")
+    base = PrefixAware(num_replicas, vnodes)
+    ring = list(zip(base.points, base.owners))
+    loads, picks, home = [0] * num_replicas, [], 0
+    peak = 0
+    for i, key in enumerate(keys):
+        if i >= hold:
+            loads[picks[i - hold]] -= 1   # request i - hold finishes
+        r = pick(list(ring), key, list(loads), c)
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= int(r) < num_replicas:
+            raise ValueError(f"pick returned {r!r}: it must be a replica index in 0..{num_replicas - 1}")
+        r = int(r)
+        home += r == next(base.candidates(key))
+        loads[r] += 1
+        peak = max(peak, loads[r])
+        picks.append(r)
+    return {"picks": picks, "peak_load": peak, "home_share": round(home / max(1, len(keys)), 9)}
 
 
 def make_router(name: str, num_replicas: int, **kwargs) -> Router:

@@ -117,3 +117,23 @@ def test_bench_kv_store_reads_mla_bytes_from_the_engine_caches():
     from llmso_lab.bench.kv_store import mla_bytes
 
     assert [r["bytes_per_token_layer"] for r in mla_bytes()] == [(32 + 8) * 4, 2 * 4 * 16 * 4, 2 * 1 * 16 * 4]
+
+
+def test_lab05_harness_runs_a_decode_function_inside_the_engine():
+    """`generate_with_decode`: the reference absorbed decode (and the naive one) reproduce the engine's and HF's tokens;
+    a decode that drops the RoPE part of the score does not; a wrong shape is a clear error."""
+    from llmso_lab.attention.mla import mla_attention, mla_decode_absorbed
+    from llmso_lab.engine.mla import generate_with_decode
+
+    ok = generate_with_decode(mla_decode_absorbed, [4, 19], 5)
+    assert ok["equal_to_engine"] and ok["equal_to_hf"] and ok["decode_calls"] == 2 * 2 * 4   # seqs x layers x steps
+    assert generate_with_decode(lambda *a: mla_attention(*a), [4, 19], 5)["tokens"] == ok["tokens"]
+
+    def no_rope(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale):
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        return torch.einsum("thr,hvr->thv", torch.softmax(q_lat @ c_kv.T * scale, -1) @ c_kv, w_uv)
+
+    bad = generate_with_decode(no_rope, [4, 19], 5)
+    assert not bad["equal_to_engine"] and bad["tokens"] != ok["tokens"]
+    with pytest.raises(ValueError, match=r"expected \[1, H, dv\]"):
+        generate_with_decode(lambda q_nope, *a: q_nope[..., :3], [4], 2)

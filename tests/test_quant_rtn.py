@@ -74,3 +74,24 @@ def test_pack_bits_is_the_little_endian_bit_stream(bits):
     for row, packed in zip(codes.tolist(), pack_bits(codes, bits).tolist()):
         stream = sum(c << (i * bits) for i, c in enumerate(row))   # code i at bits [i*b, (i+1)*b)
         assert packed == [(stream >> (8 * j)) & 0xFF for j in range(len(packed))]
+
+
+def test_int4_matmul_unpacks_pack_int4s_layout_and_equals_the_dequantized_matmul():
+    """Lab 06's W4A16 by unpacking: the same numbers as multiplying by the dequantized weight, and by the fused CPU
+    kernel the engine uses up to its bf16 activations."""
+    from llmso_lab.quant.rtn import int4_matmul
+    from llmso_lab.quant.weight_only import WeightOnlyInt4
+
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 128, generator=g) * 0.1, torch.randn(6, 128, generator=g)
+    for group in (16, 32, 128):
+        qt = quantize(w, 4, group_size=group, symmetric=False)
+        torch.testing.assert_close(int4_matmul(x, qt.packed, qt.scale, qt.minimum, group), x @ dequantize(qt).T,
+                                   atol=1e-5, rtol=1e-5)
+    qt = quantize(w, 4, group_size=32, symmetric=False)
+    fused = WeightOnlyInt4(w, group_size=32, qt=qt)(x.bfloat16()).float()
+    torch.testing.assert_close(fused, int4_matmul(x, qt.packed, qt.scale, qt.minimum, 32), atol=0.1, rtol=0.05)
+    with pytest.raises(ValueError, match="packed uint8"):
+        int4_matmul(x, qt.packed.to(torch.int16), qt.scale, qt.minimum, 32)
+    with pytest.raises(ValueError, match="divisible by group_size"):
+        int4_matmul(x, qt.packed, qt.scale, qt.minimum, 48)

@@ -224,3 +224,25 @@ def test_bench_routing_quick_structure():
     assert "sim_6rps_hit_rate_prefix_aware_over_round_robin" in res["ratios"]
     assert "engines_load_imbalance_bounded" in res["ratios"]
     json.dumps(res)
+
+
+def test_ring_bounded_pick_is_the_bounded_routers_decision_and_route_stream_bounds_the_load():
+    """Lab 04's ring walk makes the same choice as `PrefixAwareBounded` (which walks `candidates`), and a stream routed
+    through it never puts more than ceil(c * mean) requests on a replica, while pure affinity does."""
+    import random
+
+    from llmso_lab.routing import PrefixAware, PrefixAwareBounded, ring_bounded_pick, route_stream, stable_hash
+
+    rng = random.Random(3)
+    router = PrefixAwareBounded(6, c=1.25, vnodes=16)
+    ring = list(zip(router.points, router.owners))
+    for key in [rng.getrandbits(64) for _ in range(300)] + router.points[:5] + [0, 2**64 - 1]:
+        loads = [rng.randint(0, 9) for _ in range(6)]
+        assert ring_bounded_pick(ring, key, loads, 1.25) == router.route(key, loads)
+    keys = [stable_hash(f"p{min(int(rng.paretovariate(1.0)), 30)}".encode()) for _ in range(400)]
+    bounded = route_stream(ring_bounded_pick, 6, keys, 1.25, hold=60)
+    home = route_stream(lambda r, k, loads, c: next(PrefixAware(6, 16).candidates(k)), 6, keys, 1.25, hold=60)
+    assert bounded["peak_load"] <= -(-1.25 * 60 // 6) < home["peak_load"]
+    assert home["home_share"] == 1.0 > bounded["home_share"] > 0.3
+    with pytest.raises(ValueError, match="replica index"):
+        route_stream(lambda *a: 7, 6, keys[:3], 1.25, hold=2)

@@ -239,17 +239,43 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "        return sum(1 for i in range(1, len(self.kids)) if self.ends[i] or len(self.kids[i]) != 1)\n"],
     },
     "lab04/bounded_load_pick": {
-        "wrong": ["def bounded_load_pick(candidates, loads, c):\n"
-                  "    return list(candidates)[0]  # pure prefix affinity: the key's home, however loaded\n",
-                  "import math\n"
-                  "def bounded_load_pick(candidates, loads, c):\n"
+        "wrong": ["import bisect\n"
+                  "def bounded_load_pick(ring, key, loads, c):\n"
+                  "    i = bisect.bisect_left([p for p, _ in ring], key)\n"
+                  "    return ring[i % len(ring)][1]  # pure prefix affinity: the key's home, however loaded\n",
+                  "import bisect, math\n"
+                  "def bounded_load_pick(ring, key, loads, c):\n"
+                  "    i = bisect.bisect_left([p for p, _ in ring], key)\n"
                   "    cap = math.ceil(c * sum(loads) / len(loads))  # forgot the request being placed\n"
-                  "    return next(r for r in candidates if loads[r] + 1 <= cap)\n"],
-        "right": ["def bounded_load_pick(candidates, loads, c):\n"
-                  "    n = len(loads)\n"
-                  "    limit = -(-c * (sum(loads) + 1) // n)  # ceil by floor division\n"
-                  "    for r in candidates:\n"
-                  "        if loads[r] < limit:\n"
+                  "    for j in range(len(ring)):\n"
+                  "        r = ring[(i + j) % len(ring)][1]\n"
+                  "        if loads[r] + 1 <= cap:\n"
+                  "            return r\n"
+                  "    return ring[i % len(ring)][1]\n",
+                  "import bisect, math\n"
+                  "def bounded_load_pick(ring, key, loads, c):\n"
+                  "    i = bisect.bisect_right([p for p, _ in ring], key)  # a key ON a point goes to the next one\n"
+                  "    cap = math.ceil(c * (sum(loads) + 1) / len(loads))\n"
+                  "    for j in range(len(ring)):\n"
+                  "        r = ring[(i + j) % len(ring)][1]\n"
+                  "        if loads[r] + 1 <= cap:\n"
+                  "            return r\n",
+                  "import math\n"
+                  "def bounded_load_pick(ring, key, loads, c):\n"
+                  "    cap = math.ceil(c * (sum(loads) + 1) / len(loads))\n"
+                  "    # the least-loaded replica under the bound: balanced, but forgets the ring (no prefix affinity)\n"
+                  "    return min((r for _, r in ring if loads[r] + 1 <= cap), key=lambda r: (loads[r], r))\n"],
+        "right": ["def bounded_load_pick(ring, key, loads, c):\n"
+                  "    n, total = len(loads), sum(loads) + 1\n"
+                  "    # linear scan for the home; integer test: load + 1 <= ceil(x)  <=>  load < x\n"
+                  "    start = next((i for i, (p, _) in enumerate(ring) if p >= key), 0)\n"
+                  "    order = ring[start:] + ring[:start]\n"
+                  "    seen = set()\n"
+                  "    for _, r in order:\n"
+                  "        if r in seen:\n"
+                  "            continue\n"
+                  "        seen.add(r)\n"
+                  "        if loads[r] < c * total / n:\n"
                   "            return r\n"],
     },
 }

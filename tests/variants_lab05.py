@@ -101,7 +101,14 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    k = torch.cat([k_nope, k_pe.expand(H, -1, -1)], dim=-1)           # [H, S, dn + dr]\n"
                   "    q = torch.cat([q_nope, q_pe], dim=-1)[0]                          # [H, dn + dr]\n"
                   "    s = torch.einsum('hd,hsd->hs', q, k) * scale\n"
-                  "    return torch.einsum('hs,hsv->hv', s.softmax(-1), v)[None]\n"],
+                  "    return torch.einsum('hs,hsv->hv', s.softmax(-1), v)[None]\n",
+                  "import torch\nimport torch.nn.functional as F\n"
+                  "def mla_decode_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale):\n"
+                  "    # absorbed, through SDPA: one shared KV head [c_kv, k_pe] (value c_kv) for all H query heads\n"
+                  "    q = torch.cat([torch.einsum('thd,hdr->thr', q_nope, w_uk), q_pe], -1).transpose(0, 1)  # [H, 1, r+dr]\n"
+                  "    kv = torch.cat([c_kv, k_pe], -1)\n"
+                  "    o = F.scaled_dot_product_attention(q[None], kv[None, None], c_kv[None, None], scale=scale)[0]\n"
+                  "    return torch.einsum('htr,hvr->thv', o, w_uv)\n"],
     },
     "lab05/kv_bytes_per_rank": {
         "wrong": ["def kv_bytes_per_rank(num_layers, num_heads, num_kv_heads, head_dim, tp, dtype_bytes=2):\n"

@@ -55,6 +55,40 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    pairs = codes.reshape(*codes.shape[:-1], -1, 2).to(torch.int32)\n"
                   "    return (pairs[..., 0] + 16 * pairs[..., 1]).to(torch.uint8)\n"],
     },
+    "lab06/int4_matmul": {
+        "wrong": ["import torch\n"
+                  "def int4_matmul(x, packed, scale, minimum, group_size):\n"
+                  "    codes = torch.stack([packed >> 4, packed & 0xF], -1).reshape(packed.shape[0], -1)  # high nibble first\n"
+                  "    g = codes.float().reshape(codes.shape[0], -1, group_size)\n"
+                  "    w = (g * scale[..., None] + minimum[..., None]).reshape(codes.shape[0], -1)\n"
+                  "    return x @ w.T\n",
+                  "import torch\n"
+                  "def int4_matmul(x, packed, scale, minimum, group_size):\n"
+                  "    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1)\n"
+                  "    g = codes.float().reshape(codes.shape[0], -1, group_size)\n"
+                  "    w = (g * scale[..., None]).reshape(codes.shape[0], -1)  # symmetric thinking: forgot the minimum\n"
+                  "    return x @ w.T\n",
+                  "import torch\n"
+                  "def int4_matmul(x, packed, scale, minimum, group_size):\n"
+                  "    # low nibbles of all bytes, then all high nibbles: ggml's block order, not neighbours\n"
+                  "    codes = torch.cat([packed & 0xF, packed >> 4], -1)\n"
+                  "    g = codes.float().reshape(codes.shape[0], -1, group_size)\n"
+                  "    w = (g * scale[..., None] + minimum[..., None]).reshape(codes.shape[0], -1)\n"
+                  "    return x @ w.T\n"],
+        "right": ["import torch\n"
+                  "def int4_matmul(x, packed, scale, minimum, group_size):\n"
+                  "    # group by group, never forming the whole weight: y = sum_g x_g @ (scale_g * codes_g + min_g).T\n"
+                  "    lo, hi = (packed % 16).to(torch.float32), (packed // 16).to(torch.float32)\n"
+                  "    codes = torch.empty(packed.shape[0], 2 * packed.shape[1])\n"
+                  "    codes[:, 0::2], codes[:, 1::2] = lo, hi\n"
+                  "    y = torch.zeros(x.shape[0], packed.shape[0])\n"
+                  "    for g in range(codes.shape[1] // group_size):\n"
+                  "        sl = slice(g * group_size, (g + 1) * group_size)\n"
+                  "        xg = x[:, sl]\n"
+                  "        # scale * (x . codes) + min * sum(x): the trick int4 kernels use for the minimum\n"
+                  "        y += (xg @ codes[:, sl].T) * scale[:, g] + xg.sum(1, keepdim=True) * minimum[:, g]\n"
+                  "    return y\n"],
+    },
     "lab06/smoothquant_scales": {
         "wrong": ["import torch\n"
                   "def smoothquant_scales(act_absmax, weights, alpha=0.5):\n"

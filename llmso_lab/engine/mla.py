@@ -91,6 +91,12 @@ class MLAAttention:
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [T, hidden] (normed) -> the absorbed query [T, H, r + dr], the key [T, 1, r + dr] (what the cache stores)
         and the value [T, 1, r] (a view of the key: the latent). cos/sin [T, 1, dr] (sin signed for `apply_rope`)."""
+        q_nope, q_pe, key = self.queries_and_key(x, cos, sin)
+        return absorb_query(q_nope, q_pe, self.w.w_uk), key, key[..., :self.shape.latent_dim]
+
+    def queries_and_key(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, hidden] (normed) -> q_nope [T, H, dn], q_pe [T, H, dr] (rotated) and the cached key
+        [T, 1, r + dr] = [c_kv, k_pe]: the query before W_UK is folded into it."""
         w, shape = self.w, self.shape
         T, H, dn, dr, r = x.shape[0], shape.num_heads, shape.nope_dim, shape.rope_dim, shape.latent_dim
         q = x @ w.q if w.q is not None else rms_norm(x @ w.q_a, w.q_a_norm, w.q_a_eps) @ w.q_b
@@ -106,7 +112,7 @@ class MLAAttention:
         else:
             q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)
         key = torch.cat([c_kv[:, None], k_pe], dim=-1)                        # [T, 1, r + dr]
-        return absorb_query(q_nope, q_pe, w.w_uk), key, key[..., :r]
+        return q_nope, q_pe, key
 
     def output(self, o_latent: Tensor) -> Tensor:
         """The attended latent [T, H, r] -> W_UV -> [T, H, dv] -> o_proj -> [T, hidden]."""
@@ -137,3 +143,83 @@ class MLAAttentionKind:
         mlp = {"gate": m.gate_proj.weight, "up": m.up_proj.weight, "down": m.down_proj.weight,
                "gate_bias": bias(m.gate_proj), "up_bias": bias(m.up_proj), "down_bias": bias(m.down_proj)}
         return MLAAttention(load_mla(layer.self_attn, self.shape, dtype, transposed), self.shape), mlp
+
+
+# ---- Lab 05's harness: a student's absorbed decode inside the engine -------------------------------------
+def generate_with_decode(decode_fn, prompt_lens: list[int], max_tokens: int, seed: int = 0) -> dict:
+    """Harness of Lab 05's `mla_decode_absorbed`: serve a tiny random DeepSeek-V3 (`tiny_deepseek_v3(seed=seed)`)
+    on this engine with every decode token's attention computed by `decode_fn`.
+
+    For each decode sequence and layer the engine calls `decode_fn(q_nope [1, H, dn], q_pe [1, H, dr] (rotated),
+    c_kv [S, r], k_pe [S, dr], w_uk [H, dn, r], w_uv [H, dv, r], scale)`, with the sequence's S cached latents read
+    from the paged cache through its block table, and uses the returned [1, H, dv] in place of its own attention
+    (prefill stays on the engine's path). Greedy decoding of random prompts of `prompt_lens` tokens, batched.
+    Returns {"tokens": per prompt, "equal_to_engine": tokens == the plain engine's, "equal_to_hf": tokens == Hugging
+    Face's naive MLA (`generate`), "decode_calls": how many times decode_fn ran}."""
+    from llmso_lab.attention.varlen import gather_paged_kv
+    from llmso_lab.engine import LLM, SamplingParams
+    from llmso_lab.engine.hf_reference import hf_greedy
+    from llmso_lab.models.tiny import tiny_deepseek_v3
+
+    model = tiny_deepseek_v3(seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model, max_model_len=128).generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(model, max_model_len=128)
+    runner, state = llm.model_runner, {"calls": 0}
+    r = runner.attention_kind.shape.latent_dim
+
+    class StudentDecode:
+        """Wraps one MLA layer: keeps q_nope/q_pe for the backend, and puts decode_fn's outputs in place of the
+        engine's decode rows before o_proj."""
+        sliding_window = None
+
+        def __init__(self, attn: MLAAttention) -> None:
+            self.attn = attn
+
+        def project(self, x, cos, sin):
+            q_nope, q_pe, key = self.attn.queries_and_key(x, cos, sin)
+            state.update(attn=self.attn, q_nope=q_nope, q_pe=q_pe, decoded=None)
+            return absorb_query(q_nope, q_pe, self.attn.w.w_uk), key, key[..., :r]
+
+        def output(self, o_latent):
+            w, out = self.attn.w, torch.einsum("thr,hvr->thv", o_latent, self.attn.w.w_uv)
+            if state["decoded"] is not None:
+                out = torch.cat([state["decoded"], out[state["decoded"].shape[0]:]])
+            return out.reshape(out.shape[0], -1) @ w.o
+
+        def matrices(self):
+            return self.attn.matrices()
+
+    def decode(q, k_cache, v_cache, meta, window):
+        w, rows = state["attn"].w, []
+        for b in range(q.shape[0]):
+            cached = gather_paged_kv(k_cache, meta.block_tables[b], meta.context_lens_host[b])[:, 0]   # [S, r + dr]
+            o = decode_fn(state["q_nope"][b:b + 1].clone(), state["q_pe"][b:b + 1].clone(), cached[:, :r].clone(),
+                          cached[:, r:].clone(), w.w_uk.clone(), w.w_uv.clone(), w.scale)
+            if not isinstance(o, Tensor) or tuple(o.shape) != (1, w.w_uv.shape[0], w.w_uv.shape[1]):
+                raise ValueError(f"decode_fn returned {getattr(o, 'shape', type(o).__name__)}, expected "
+                                 f"[1, H, dv] = [1, {w.w_uv.shape[0]}, {w.w_uv.shape[1]}]")
+            rows.append(o.to(q.dtype))
+            state["calls"] += 1
+        state["decoded"] = torch.cat(rows)
+        return q.new_zeros(q.shape[0], q.shape[1], r)   # unused: `output` takes decode_fn's rows
+
+    for layer in runner.layers:
+        layer.attn = StudentDecode(layer.attn)
+    runner.backend._decode = decode
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return {"tokens": tokens, "equal_to_engine": tokens == plain,
+            "equal_to_hf": tokens == [hf_greedy(model, p, max_tokens) for p in prompts], "decode_calls": state["calls"]}
+
+
+def decode_exercise(decode_fn, what: str, *args):
+    """Harness of Lab 05's `mla_decode_absorbed`. what="one token": `decode_fn(*args)` for one decode token (a
+    tensor [1, H, dv]); what="engine": `generate_with_decode(decode_fn, *args)` (the function inside the engine)."""
+    if what == "one token":
+        return decode_fn(*args)
+    if what == "engine":
+        return generate_with_decode(decode_fn, *args)
+    raise ValueError(f"what must be 'one token' or 'engine', got {what!r}")

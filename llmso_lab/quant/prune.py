@@ -296,14 +296,17 @@ def prune_mlp_channels(model: nn.Module, fraction: float, calibration_ids: Seque
 # ---------------------------------------------------------------------------------------------- sweeps
 
 def perplexity_sweep(model: nn.Module, token_ids: Sequence[int], prune: Callable[[nn.Module, float], object],
-                     amounts: Sequence[float], window: int = 512) -> list[tuple[float, float]]:
+                     amounts: Sequence[float], window: int = 512, desc: str | None = None) -> list[tuple[float, float]]:
     """[(amount, perplexity)] of `prune(copy, amount)` applied to a fresh deep copy of `model` for each amount
     (the input model is untouched). E.g. `perplexity_sweep(model, ids, prune_unstructured, [0, 0.3, 0.5])` or
-    `perplexity_sweep(model, ids, lambda m, f: prune_mlp_channels(m, f, calibration_ids), [0.1, 0.2])`."""
+    `perplexity_sweep(model, ids, lambda m, f: prune_mlp_channels(m, f, calibration_ids), [0.1, 0.2])`.
+    `desc`: show a tqdm progress bar with this label (each point is a full perplexity run)."""
+    from tqdm.auto import tqdm
+
     from llmso_lab.quality import perplexity
 
     rows = []
-    for amount in amounts:
+    for amount in tqdm(amounts, desc=desc, disable=desc is None):
         pruned = copy.deepcopy(model)
         prune(pruned, amount)
         rows.append((amount, perplexity(pruned, token_ids, window=window)))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["QuantizedTensor", "quantize", "dequantize", "fake_quantize", "pack_bits", "unpack_bits", "QuantLinear",
-           "quantize_linears", "grid_params", "grid_codes", "grid_values", "pack_int4", "unpack_int4"]
+           "quantize_linears", "grid_params", "grid_codes", "grid_values", "pack_int4", "unpack_int4", "int4_matmul"]
 
 
 @dataclass(slots=True)
@@ -167,6 +167,20 @@ def pack_int4(codes: Tensor) -> Tensor:
 def unpack_int4(packed: Tensor) -> Tensor:
     """Inverse of `pack_int4`: uint8 [..., m] -> codes [..., 2 m]."""
     return unpack_bits(packed, 4, 2 * packed.shape[-1])
+
+
+def int4_matmul(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor, group_size: int) -> Tensor:
+    """W4A16 by unpacking: x [N, in] times the asymmetric int4 weight stored as `packed` uint8 [out, in / 2] (two codes
+    per byte, the even input index in the low nibble, `pack_int4`'s layout) with per-group `scale`, `minimum`
+    [out, in / group_size]: w[o, i] = scale[o, g] * code[o, i] + minimum[o, g], g = i // group_size -> y [N, out].
+    Forms the fp32 weight once (a reference; a real kernel unpacks tile by tile and never writes W back)."""
+    out_f, half = packed.shape
+    if packed.dtype != torch.uint8 or x.shape[-1] != 2 * half or (2 * half) % group_size:
+        raise ValueError(f"x [N, {x.shape[-1]}] needs packed uint8 [out, in / 2] with in divisible by group_size "
+                         f"{group_size}; got packed {packed.dtype} {list(packed.shape)}")
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(out_f, -1, group_size).float()  # [out, groups, g]
+    w = (codes * scale[..., None] + minimum[..., None]).reshape(out_f, 2 * half)
+    return x.float() @ w.T
 
 
 class QuantLinear(torch.nn.Module):

@@ -1,6 +1,6 @@
 """Hidden checks for Lab 04 (instructor only; not in the student bundle): edge lengths, fork trees, radix splits."""
 from llmso_lab.grading.registry import Case, hidden
-from llmso_lab.grading.specs.lab04 import FREE, REFS, W, X, Y, Z, _chat, call
+from llmso_lab.grading.specs.lab04 import FREE, REFS, W, X, Y, Z, _chat, call, ring_edge_keys, zipf_keys
 
 _many = [(p, o) for p, o in zip(range(1, 40, 3), range(37, 1, -3))]   # 13 requests of assorted lengths
 
@@ -73,13 +73,12 @@ hidden("04", {
             call("match_prefix", list(range(40)) + [101, 0]), call("match_prefix", list(range(39)) + [7])]),
     ],
     "bounded_load_pick": [
-        (([0, 1], [5, 0], 1.25), {}),                 # the home is far over the bound ceil(1.25 * 6 / 2) = 4
-        (([0, 1, 2, 3], [3, 3, 3, 2], 1.25), {}),     # ceil(1.25 * 12 / 4) = 4: the home still fits
-        (([0, 1, 2, 3], [4, 4, 4, 0], 1.25), {}),     # ceil(1.25 * 13 / 4) = 5: the home fits
-        (([0, 1, 2], [7, 7, 0], 1.0), {}),            # c = 1: only the empty replica, last on the ring, fits
-        (([0], [9], 1.25), {}),                       # one replica always takes it
-        (([4, 2, 0, 3, 1], [1, 2, 0, 3, 2], 2.0), {}),  # c = 2: ceil(2 * 9 / 5) = 4
-        (([1, 0, 2], [2, 3, 1], 1.5), {}),            # ceil(1.5 * 7 / 3) = 4: the home (3 + 1) just fits
-        (((3, 2, 1, 0), (0, 1, 2, 9), 1.25), {}),     # tuples instead of lists
+        ((1, zipf_keys(30, 5, 11), 1.25, 10), {}),          # one replica takes everything
+        ((8, zipf_keys(300, 30, 12), 1.25, 64), {}),        # a bigger cluster, long-lived requests
+        ((8, zipf_keys(300, 30, 13), 2.0, 64), {}),         # c = 2: more affinity, higher peaks
+        ((3, zipf_keys(90, 3, 14), 1.0, 30), {}),           # three prefixes on three replicas, c = 1
+        ((4, [7] * 60, 1.25, 40), {}),                      # one hot key: everything overflows along the ring
+        ((5, ring_edge_keys(5), 1.1, 6), {}),               # ring edges again, another ring
+        ((6, zipf_keys(200, 4, 15), 1.5, 1000), {}),        # nobody leaves: loads only grow
     ],
 })

@@ -1,5 +1,6 @@
 """Hidden checks for Lab 05 (instructor only; not in the student bundle): other shapes, MQA/MHA edges, DeepSeek sizes."""
-from llmso_lab.grading.registry import hidden
+from llmso_lab.grading.compare import exact
+from llmso_lab.grading.registry import Case, hidden
 from llmso_lab.grading.specs.lab05 import DEEPSEEK_V3, LLAMA3_70B, SMOLLM2, mla_inputs, qkv, randn
 
 MISTRAL_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
@@ -35,11 +36,13 @@ hidden("05", {
         ((randn(9 * 64, 24, seed=114), 9, 3), {}),      # SmolLM2-as-MHA back to 3 heads
     ],
     "mla_decode_absorbed": [
-        (mla_inputs(8, 32, 16, 32, 64, 37, seed=120), {}),
-        (mla_inputs(16, 128, 64, 128, 512, 24, seed=121), {}),        # DeepSeek's per-head sizes
-        (mla_inputs(4, 16, 8, 16, 32, 50, seed=122, pe_scale=3.0), {}),  # RoPE part dominates the scores
-        (mla_inputs(5, 24, 8, 20, 40, 13, seed=123, scale=0.05), {}),  # a small scale (flat softmax)
-        (mla_inputs(1, 8, 4, 8, 16, 64, seed=124), {}),                 # one head
+        (("one token", *mla_inputs(8, 32, 16, 32, 64, 37, seed=120)), {}),
+        (("one token", *mla_inputs(16, 128, 64, 128, 512, 24, seed=121)), {}),        # DeepSeek's per-head sizes
+        (("one token", *mla_inputs(4, 16, 8, 16, 32, 50, seed=122, pe_scale=3.0)), {}),  # RoPE part dominates
+        (("one token", *mla_inputs(5, 24, 8, 20, 40, 13, seed=123, scale=0.05)), {}),  # a small scale (flat softmax)
+        (("one token", *mla_inputs(1, 8, 4, 8, 16, 64, seed=124)), {}),                 # one head
+        Case("engine, another random model: a long and a short prompt", ("engine", [40, 3], 6, 5), compare=exact(),
+             hidden=True),
     ],
     "kv_bytes_per_rank": [
         ((80, 64, 8, 128, 8), {}),

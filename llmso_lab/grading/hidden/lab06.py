@@ -2,7 +2,7 @@
 import torch
 
 from llmso_lab.grading.registry import hidden
-from llmso_lab.grading.specs.lab06 import awq_layer, codes, logits_case, randn, with_outliers
+from llmso_lab.grading.specs.lab06 import awq_layer, codes, int4_case, logits_case, randn, with_outliers
 
 hidden("06", {
     "fake_quantize": [
@@ -18,6 +18,12 @@ hidden("06", {
         ((codes(32, 64, seed=111),), {}),
         ((codes(5, 4, 2, seed=112),), {}),
         ((codes(3, 100, seed=113),), {}),
+    ],
+    "int4_matmul": [
+        (int4_case(2, 4, 32, 8, seed=160), {}),                 # small groups
+        (int4_case(7, 16, 96, 32, seed=161), {}),               # 3 groups per row
+        (int4_case(1, 64, 576, 64, seed=162), {}),              # SmolLM2's hidden 576, one decode row
+        (int4_case(4, 10, 64, 32, seed=163, outlier=40), {}),   # an outlier in the second group
     ],
     "smoothquant_scales": [
         ((with_outliers(128, 48, 120, (2, 9, 33)).abs().amax(0), [randn(48, 48, seed=121)] * 2, 0.5), {}),

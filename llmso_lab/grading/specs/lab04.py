@@ -3,7 +3,8 @@
 References: `llmso_lab.kv.fragmentation:waste`, `llmso_lab.kv.tables:BlockAllocator` (over the engine's
 `BlockManager`), `llmso_lab.kv.block_manager:block_hash_chain` / `cached_prefix_tokens`,
 `llmso_lab.kv.radix:RadixTree` (the engine's radix prefix cache, used here without KV blocks) and
-`llmso_lab.routing:bounded_load_pick`. All inputs are small literals.
+`llmso_lab.routing:ring_bounded_pick` (graded by running it: `routing.route_stream` routes a stream of requests
+with arrivals and departures through the student's pick). All inputs are small literals.
 
 The prefix-cache exercise accepts any key scheme: its comparator checks which keys are EQUAL (block i of one
 prompt has the same key as block j of another exactly when the reference's keys are equal), not their values, so
@@ -16,6 +17,7 @@ from typing import Any
 from llmso_lab.grading.compare import Comparator, close, exact
 from llmso_lab.grading.registry import Case, Exercise, register
 from llmso_lab.kv.block_manager import block_hash_chain, cached_prefix_tokens
+from llmso_lab.routing import PrefixAware, stable_hash
 
 same = exact()
 ratio = close(atol=1e-12, rtol=1e-9)   # a share computed in any order: float rounding only
@@ -94,11 +96,28 @@ def same_key_structure() -> Comparator:
     return cmp
 
 
+# ---- bounded_load_pick: request streams for `routing.route_stream` --------------------------------------
+def zipf_keys(n: int, num_prefixes: int, seed: int, s: float = 1.1) -> list[int]:
+    """Routing keys of n requests whose prefixes (system prompts) are Zipf-popular: a few keys repeat a lot."""
+    import random
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) ** s for i in range(num_prefixes)]
+    return [stable_hash(f"prefix-{seed}-{i}".encode()) for i in rng.choices(range(num_prefixes), weights, k=n)]
+
+
+def ring_edge_keys(num_replicas: int, vnodes: int = 16) -> list[int]:
+    """Keys exactly on ring points, one past them, before the first point and after the last (wrap-around), each a
+    few times so that loads build up."""
+    pts = PrefixAware(num_replicas, vnodes).points
+    one = [pts[0], pts[0] + 1, pts[5], pts[5] - 1, 0, pts[-1], pts[-1] + 1, 2**64 - 1, pts[len(pts) // 2]]
+    return [k for k in one for _ in range(3)]
+
+
 X, Y, Z, W = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]   # blocks of 4 tokens
 
 
 register(
-    Exercise("kv_waste", "04", 15, "llmso_lab.kv.fragmentation:waste", [
+    Exercise("kv_waste", "04", 10, "llmso_lab.kv.fragmentation:waste", [
         Case("contiguous, max_model_len 128, at finish", ([(10, 5), (100, 28), (3, 1)], "contiguous_max_len"),
              {"moment": "at_finish", "max_model_len": 128}),
         Case("contiguous, prompt + max_tokens (32), over each sequence's lifetime",
@@ -154,11 +173,12 @@ register(
             call("match_prefix", [6, 1, 1]), call("match_prefix", [8])]),
     ], kind="class", compare=same, tripwires=("llmso_lab.kv.block_manager:BlockManager",),
         description="a token-level radix tree: insert (splitting edges), longest cached prefix, node count"),
-    Exercise("bounded_load_pick", "04", 15, "llmso_lab.routing:bounded_load_pick", [
-        Case("the key's home replica is not overloaded: it takes the request", ([2, 0, 3, 1], [1, 1, 1, 1], 1.25)),
-        Case("the home is at the bound ceil(1.25 * 9 / 4) = 3: the next replica on the ring", ([2, 0, 3, 1], [0, 1, 3, 4], 1.25)),
-        Case("c = 1: perfectly even (the bound is ceil(mean after placing))", ([0, 1, 2], [2, 2, 1], 1.0)),
-        Case("everything idle: the home", ([3, 1, 0, 2], [0, 0, 0, 0], 1.25)),
-    ], compare=same, tripwires=("llmso_lab.routing:PrefixAwareBounded",),
-        description="consistent hashing with bounded loads: the first replica on the ring below c x mean load"),
+    Exercise("bounded_load_pick", "04", 20, "llmso_lab.routing:ring_bounded_pick", [
+        Case("an idle cluster (each request leaves before the next): every key goes to its home", (6, zipf_keys(40, 8, 1), 1.25, 1)),
+        Case("Zipf-hot prefixes, c = 1.25: a hot home overflows to the next replica on the ring", (6, zipf_keys(150, 20, 2), 1.25, 24)),
+        Case("c = 1: loads stay perfectly even", (5, zipf_keys(100, 10, 3), 1.0, 20)),
+        Case("keys at, between, before and after the ring's points (the walk wraps around)", (4, ring_edge_keys(4), 1.5, 3)),
+    ], harness="llmso_lab.routing:route_stream", compare=same,
+        tripwires=("llmso_lab.routing:bounded_load_pick", "llmso_lab.routing:PrefixAwareBounded"),
+        description="consistent hashing with bounded loads: walk the hash ring from the key, skip replicas over the bound"),
 )

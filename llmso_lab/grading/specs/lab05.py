@@ -3,14 +3,14 @@
 References: `llmso_lab.hardware:kv_cache_bytes_of_config` (KV bytes of a Hugging Face config, MLA included),
 `llmso_lab.attention.reference:naive_attention` (GQA: query head h reads KV head h // (H / Hkv)),
 `llmso_lab.models.kv_heads:mean_pool_kv_heads` (GQA's uptraining init), `llmso_lab.attention.mla:mla_decode_absorbed`
-(MLA decode over the latent cache) and `llmso_lab.parallel.heads:kv_bytes_per_rank` (KV per tensor-parallel rank).
+(MLA decode over the latent cache, graded also inside the engine by `engine.mla.decode_exercise`) and `llmso_lab.parallel.heads:kv_bytes_per_rank` (KV per tensor-parallel rank).
 Every tensor input is small and built from a seeded generator, so the checks are the same on every machine.
 """
 import math
 
 import torch
 
-from llmso_lab.grading.compare import close
+from llmso_lab.grading.compare import close, exact
 from llmso_lab.grading.registry import Case, Exercise, register
 from llmso_lab.grading.specs.lab00 import KV_BYTES_ELSEWHERE
 
@@ -21,6 +21,10 @@ ATTENTION_CODE = ("llmso_lab.attention.reference:repeat_kv", "llmso_lab.attentio
                   "llmso_lab.attention.reference:flash_decoding_torch", "llmso_lab.attention.varlen:varlen_attention_torch",
                   "llmso_lab.attention.varlen:paged_attention_torch", "llmso_lab.attention.fallback:flash_attention",
                   "llmso_lab.attention.mla:mla_attention", "torch.nn.functional:scaled_dot_product_attention")
+
+# The library's other attention functions, disabled for MLA too; torch's SDPA stays on there (the engine it runs in
+# uses it, and SDPA over the latent cache as one shared KV head IS the absorbed form).
+MLA_FREE_ATTENTION = tuple(a for a in ATTENTION_CODE if a != "torch.nn.functional:scaled_dot_product_attention")
 
 # Hugging Face config dicts (the keys `model.config.to_dict()` has), from each model's published config.json
 LLAMA3_70B = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192,
@@ -51,7 +55,7 @@ def mla_inputs(h: int, dn: int, dr: int, dv: int, r: int, s: int, seed: int, sca
 
 
 register(
-    Exercise("kv_cache_size", "05", 15, "llmso_lab.hardware:kv_cache_bytes_of_config", [
+    Exercise("kv_cache_size", "05", 10, "llmso_lab.hardware:kv_cache_bytes_of_config", [
         Case("the lecture's 70B: 80 layers x 8 KV heads x 128 x fp16, one token (327,680 B)", (LLAMA3_70B, 1)),
         Case("the same model, an 8K prompt, batch 4", (LLAMA3_70B, 8192), {"batch": 4}),
         Case("SmolLM2-135M in fp32 (no head_dim key: hidden_size / heads)", (SMOLLM2, 1000), {"dtype_bytes": 4}),
@@ -59,7 +63,7 @@ register(
         Case("DeepSeek-V3, 32K tokens x batch 2 in fp8", (DEEPSEEK_V3, 32768), {"batch": 2, "dtype_bytes": 1}),
     ], compare=rel, tripwires=("llmso_lab.hardware:kv_bytes_per_token", *KV_BYTES_ELSEWHERE),
         description="KV-cache bytes of a model given by its HF config (MHA/GQA/MQA, or MLA's latent cache)"),
-    Exercise("gqa_attention", "05", 20, "llmso_lab.attention.reference:naive_attention", [
+    Exercise("gqa_attention", "05", 25, "llmso_lab.attention.reference:naive_attention", [
         Case("GQA 4 query heads / 2 KV heads, N=8, causal", qkv(1, 4, 2, 8, 8, 16, seed=10), {"causal": True}),
         Case("6 query heads / 3 KV heads (groups of 2), B=2, not causal", qkv(2, 6, 3, 5, 7, 8, seed=11),
              {"causal": False}),
@@ -74,16 +78,23 @@ register(
     ], compare=fp32, tripwires=("llmso_lab.models.kv_heads:to_gqa", "llmso_lab.models.kv_heads:to_mqa",
                                 "llmso_lab.models.kv_heads:_regroup_heads"),
         description="average groups of consecutive KV heads of a k_proj/v_proj weight (GQA from MHA)"),
-    Exercise("mla_decode_absorbed", "05", 25, "llmso_lab.attention.mla:mla_decode_absorbed", [
-        Case("H=4, dn=16, dr=8, dv=16, r=32, 10 cached tokens, scale 1/sqrt(dn + dr)", mla_inputs(4, 16, 8, 16, 32, 10, seed=30)),
-        Case("H=2, dn=8, dr=4, dv=12 (dv != dn), r=24, 7 cached tokens, scale 0.3", mla_inputs(2, 8, 4, 12, 24, 7, seed=31, scale=0.3)),
+    Exercise("mla_decode_absorbed", "05", 40, "llmso_lab.attention.mla:mla_decode_absorbed", [
+        Case("H=4, dn=16, dr=8, dv=16, r=32, 10 cached tokens, scale 1/sqrt(dn + dr)",
+             ("one token", *mla_inputs(4, 16, 8, 16, 32, 10, seed=30))),
+        Case("H=2, dn=8, dr=4, dv=12 (dv != dn), r=24, 7 cached tokens, scale 0.3",
+             ("one token", *mla_inputs(2, 8, 4, 12, 24, 7, seed=31, scale=0.3))),
         Case("H=3, dn=16, dr=16, dv=8, r=48, 20 cached tokens, a strong RoPE part",
-             mla_inputs(3, 16, 16, 8, 48, 20, seed=32, pe_scale=2.0)),
-    ], compare=mla_tol, tripwires=("llmso_lab.attention.mla:absorb_query", "llmso_lab.attention.mla:mla_paged_decode_torch",
-                                   "llmso_lab.attention.fallback:mla_paged_decode_attention",
-                                   "llmso_lab.attention.reference:naive_attention", *ATTENTION_CODE),
-        description="one decode token of MLA over the latent cache [c_kv, k_pe], W_UK in the query, W_UV after"),
-    Exercise("kv_bytes_per_rank", "05", 20, "llmso_lab.parallel.heads:kv_bytes_per_rank", [
+             ("one token", *mla_inputs(3, 16, 16, 8, 48, 20, seed=32, pe_scale=2.0))),
+        Case("in the engine: a tiny DeepSeek-V3 decodes 3 prompts x 8 tokens with your function as its decode "
+             "attention; greedy tokens equal the engine's own path and HF generate", ("engine", [5, 17, 33], 8),
+             compare=exact()),
+    ], harness="llmso_lab.engine.mla:decode_exercise", compare=mla_tol, timeout_s=240,
+        tripwires=("llmso_lab.attention.mla:mla_attention", "llmso_lab.attention.mla:mla_paged_decode_torch",
+                   "llmso_lab.attention.fallback:mla_paged_decode_attention",
+                   "llmso_lab.attention.reference:naive_attention", *MLA_FREE_ATTENTION),
+        description="one decode token of MLA over the latent cache [c_kv, k_pe], W_UK in the query, W_UV after; "
+                    "then inside the engine's MLA layers"),
+    Exercise("kv_bytes_per_rank", "05", 5, "llmso_lab.parallel.heads:kv_bytes_per_rank", [
         Case("Llama-3-70B (64 / 8 heads, 80 layers, 128) fp16 at TP 16: KV heads replicated", (80, 64, 8, 128, 16)),
         Case("SmolLM2 (9 / 3 heads, 30 layers, 64) fp32 at TP 9", (30, 9, 3, 64, 9), {"dtype_bytes": 4}),
         Case("Qwen2.5-7B (28 / 4 heads, 28 layers, 128) at TP 28", (28, 28, 4, 128, 28)),

@@ -1,7 +1,7 @@
 """Lab 06 (quantization and compression) exercises and their public checks.
 
 References: `llmso_lab.quant.rtn:fake_quantize` (round-to-nearest on a per-channel or per-group grid),
-`llmso_lab.quant.rtn:pack_int4` (two int4 codes per byte), `llmso_lab.quant.w8a8:smoothquant_scales`,
+`llmso_lab.quant.rtn:pack_int4` (two int4 codes per byte), `llmso_lab.quant.rtn:int4_matmul` (W4A16 by unpacking), `llmso_lab.quant.w8a8:smoothquant_scales`,
 `llmso_lab.quant.awq:awq_best_scales` (AWQ's grid search for one linear), `llmso_lab.quant.prune:mask_2_4`,
 `llmso_lab.quant.distill:distillation_loss`. Inputs are small and seeded, so the checks are the same everywhere.
 """
@@ -39,6 +39,23 @@ def awq_layer(out_f: int, in_f: int, n: int, seed: int, channels: tuple[int, ...
     return randn(out_f, in_f, seed=seed, scale=0.1), with_outliers(n, in_f, seed + 1, channels, size=20.0)
 
 
+UNPACK_CODE = ("llmso_lab.quant.rtn:unpack_bits", "llmso_lab.quant.rtn:unpack_int4", "llmso_lab.quant.rtn:QuantizedTensor.codes",
+               "llmso_lab.quant.rtn:QuantLinear.forward", "llmso_lab.quant.weight_only:WeightOnlyInt4.dequantize",
+               "llmso_lab.quant.gguf:q4_1_blocks", "llmso_lab.quant.gguf:q4_1_dequantize")
+
+
+def int4_case(n: int, out_f: int, in_f: int, group: int, seed: int, outlier: int | None = None):
+    """(x [n, in], packed uint8 [out, in / 2], scale, minimum [out, in / group], group): an asymmetric int4 weight in
+    `pack_int4`'s layout, quantized by the library's RTN (built here, in the grader, never in the student's process)."""
+    from llmso_lab.quant.rtn import quantize
+
+    w = randn(out_f, in_f, seed=seed, scale=0.1)
+    if outlier is not None:
+        w[:, outlier] *= 15.0
+    qt = quantize(w, 4, group_size=group, symmetric=False)
+    return randn(n, in_f, seed=seed + 1), qt.packed, qt.scale, qt.minimum, group
+
+
 def logits_case(n: int, v: int, seed: int, scale: float = 3.0):
     """student logits [n, v], teacher logits [n, v] (correlated with the student's), labels [n]."""
     s = randn(n, v, seed=seed, scale=scale)
@@ -65,7 +82,7 @@ register(
         Case("int2 symmetric, groups of 8", (randn(3, 32, seed=5), 2), {"group_size": 8, "symmetric": True}),
     ], compare=fp32, tripwires=RTN_CODE,
         description="round-to-nearest quantize then dequantize a weight [out, in] per channel or per group"),
-    Exercise("pack_int4", "06", 10, "llmso_lab.quant.rtn:pack_int4", [
+    Exercise("pack_int4", "06", 5, "llmso_lab.quant.rtn:pack_int4", [
         Case("one row: [0x3, 0xA, 0xF, 0x1] -> [0xA3, 0x1F]", (torch.tensor([[3, 10, 15, 1]], dtype=torch.uint8),)),
         Case("codes [4, 16]", (codes(4, 16, seed=10),)),
         Case("codes [2, 3, 8] (any leading shape)", (codes(2, 3, 8, seed=11),)),
@@ -73,7 +90,15 @@ register(
     ], compare=exact(), tripwires=("llmso_lab.quant.rtn:pack_bits", "llmso_lab.quant.rtn:unpack_bits",
                                    "llmso_lab.quant.rtn:unpack_int4", "llmso_lab.quant.gguf:q4_1_pack"),
         description="two 4-bit codes per uint8 byte, the even index in the low nibble"),
-    Exercise("smoothquant_scales", "06", 15, "llmso_lab.quant.w8a8:smoothquant_scales", [
+    Exercise("int4_matmul", "06", 15, "llmso_lab.quant.rtn:int4_matmul", [
+        Case("x [3, 64] times a packed int4 weight [8, 64], groups of 32", int4_case(3, 8, 64, 32, seed=60)),
+        Case("one decode row, groups of 16 (8 groups per row)", int4_case(1, 12, 128, 16, seed=61)),
+        Case("a weight with an outlier column, groups of 64 = the whole row", int4_case(5, 6, 64, 64, seed=62, outlier=9)),
+        Case("bigger: x [16, 256] (a prefill chunk), weight [48, 256], groups of 32", int4_case(16, 48, 256, 32, seed=63)),
+    ], compare=close(atol=1e-4, rtol=1e-4), tripwires=RTN_CODE + UNPACK_CODE,
+        description="W4A16 by hand: unpack two codes per byte, scale and minimum per group, multiply; equals the "
+                    "dequantized weight's matmul"),
+    Exercise("smoothquant_scales", "06", 10, "llmso_lab.quant.w8a8:smoothquant_scales", [
         Case("alpha 0.5, one weight [16, 32], outlier channels 3 and 17",
              (with_outliers(64, 32, 20, (3, 17)).abs().amax(0), randn(16, 32, seed=21), 0.5)),
         Case("alpha 0.75, q/k/v share the input: max |W_j| over all their rows",
@@ -105,7 +130,7 @@ register(
     ], compare=exact(), tripwires=("llmso_lab.quant.prune:prune_2_4", "llmso_lab.quant.prune:magnitude_mask",
                                    "llmso_lab.quant.prune:is_2_4"),
         description="2:4 semi-structured mask: the 2 largest |w| of every 4 consecutive input weights"),
-    Exercise("distillation_loss", "06", 20, "llmso_lab.quant.distill:distillation_loss", [
+    Exercise("distillation_loss", "06", 15, "llmso_lab.quant.distill:distillation_loss", [
         Case("T = 2, alpha = 0.5, 5 positions, vocabulary 11", logits_case(5, 11, 50), {"T": 2.0, "alpha": 0.5}),
         Case("soft labels only (alpha = 1), T = 4: the T^2 factor matters", logits_case(7, 13, 51), {"T": 4.0, "alpha": 1.0}),
         Case("hard labels only (alpha = 0): plain cross-entropy", logits_case(6, 9, 52), {"T": 3.0, "alpha": 0.0}),
