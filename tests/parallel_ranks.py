@@ -31,19 +31,17 @@ def hang(rank: int, world_size: int) -> None:
 
 def dtensor_mlp(rank: int, world_size: int, mlp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One Llama MLP sharded two ways on the same ranks: torch's own tensor parallelism (DTensor, ColwiseParallel
-    gate/up, RowwiseParallel down) and the engine's shards (`shard_llama_layer`'s slices + one all_reduce)."""
+    gate/up, RowwiseParallel down) and ours (`tensor.tp_mlp_forward`: the shards + one all_reduce)."""
     import copy
 
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from llmso_lab.parallel.tensor import shard_linear
+    from llmso_lab.parallel.tensor import TensorParallelGroup, tp_mlp_forward
 
-    ours = F.silu(x @ shard_linear(mlp.gate_proj.weight, rank, world_size, "column").t()) * \
-        (x @ shard_linear(mlp.up_proj.weight, rank, world_size, "column").t())
-    ours = ours @ shard_linear(mlp.down_proj.weight, rank, world_size, "row").t()
-    dist.all_reduce(ours)
+    with torch.no_grad():
+        ours = tp_mlp_forward(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+                              TensorParallelGroup(rank, world_size))
     mesh = init_device_mesh("cpu", (world_size,))
     peer = parallelize_module(copy.deepcopy(mlp), mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
                                                         "down_proj": RowwiseParallel()})

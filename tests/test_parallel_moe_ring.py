@@ -233,6 +233,8 @@ def test_two_ranks_expert_parallel_and_ring_attention():
                   for split in ("zigzag", "contiguous")]
     ep, ring = _run(2, ep_jobs, ring_cases)
     _check_no_drop(*ep[0], full, ids, 2)
+    for layer in ep[0][1]:   # each rank timed its all-to-alls and its experts in every layer
+        assert len(layer.all_to_all_s) == len(layer.expert_s) == 2 and min(layer.all_to_all_s + layer.expert_s) > 0
     _check_drops(*ep[1], one_layer, ids_long, 2, 1.0)
     _check_drops(*ep[2], full, ids, 2, 1.0)
     _check_ring(ring, ring_cases, 2)

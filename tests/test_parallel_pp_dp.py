@@ -193,3 +193,36 @@ def test_data_parallel_replica_that_cannot_start_raises_rank_error(model):
         DataParallelLLM(model, 0)
     with pytest.raises(ValueError, match="unknown router"):
         DataParallelLLM(model, 1, router="random")
+
+
+# ---- the pipeline-stage exercise's harness: the student's loop as every stage, timed ------------------------------
+def test_run_pipeline_stage_executes_the_loop_and_measures_the_gpipe_bubble():
+    from llmso_lab.parallel.launcher import RankError
+    from llmso_lab.parallel.pipeline import gpipe_stage, pipeline_stage_ideal, run_pipeline_stage
+
+    for p, m in ((1, 3), (3, 4), (4, 2)):
+        r = run_pipeline_stage(gpipe_stage, p, m, slot_ms=40)
+        ideal = pipeline_stage_ideal(p, m)
+        assert r["outputs_equal_single_process"] and r["computes_per_stage"] == [m] * p
+        # the logical clock gives GPipe's numbers exactly; the wall clock can only add idle time (waking, sending)
+        assert r["bubble"] == ideal["bubble"] == round((p - 1) / (m + p - 1), 3) and r["makespan_slots"] == m + p - 1
+        assert r["bubble_wall"] >= r["bubble"] - 0.03
+        assert len(r["timeline"]) == p * m
+        for (s, j, start, _), (s2, j2, _, end) in ((a, b) for a in r["timeline"] for b in r["timeline"]):
+            if s == s2 + 1 and j == j2:   # stage s starts micro-batch j after stage s - 1 has finished it
+                assert start >= end - 1e-3
+
+    def store_and_forward(stage, num_stages, m, inputs, compute, send, recv):
+        xs = inputs if stage == 0 else [recv(stage - 1) for _ in range(m)]
+        ys = [compute(x) for x in xs]
+        if stage == num_stages - 1:
+            return ys
+        for y in ys:
+            send(y, stage + 1)
+
+    r = run_pipeline_stage(store_and_forward, 3, 4, slot_ms=10)
+    assert r["outputs_equal_single_process"] and r["bubble"] == round(2 / 3, 3) and r["makespan_slots"] == 12   # p m
+    with pytest.raises(RankError, match="the stages are 0..1"):
+        run_pipeline_stage(lambda stage, p, m, inputs, compute, send, recv: send(compute(inputs[0]), 2), 2, 1)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        run_pipeline_stage(gpipe_stage, 2, 0)

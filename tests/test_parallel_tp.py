@@ -10,7 +10,8 @@ from llmso_lab.engine import LLM, SamplingParams
 from llmso_lab.engine.cache_sizing import kv_cache_bytes_per_block
 from llmso_lab.models.tiny import tiny_deepseek_v3, tiny_llama
 from llmso_lab.parallel.launcher import RankError, Workers, launch
-from llmso_lab.parallel.tensor import column_parallel_linear, head_slices, row_parallel_linear, shard_linear
+from llmso_lab.parallel.tensor import (column_parallel_linear, head_slices, row_parallel_linear, run_tp_mlp, shard_linear,
+                                       tp_mlp_forward)
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -154,3 +155,30 @@ def test_smollm2_tp3_greedy_tokens_equal_tp1_or_diverge_only_at_a_near_tie():
         gap = float(top2[0] - top2[1])
         assert gap < 1e-3, f"{prompt!r}: TP 3 diverged at token {pos} where TP 1's top-2 gap is {gap:.3g} (not a near-tie)"
         print(f"near-tie: {prompt!r} diverges at token {pos}, top-2 gap {gap:.2e}")
+
+
+# ---- the TP MLP exercise's harness: a function from anywhere, run in forked ranks ---------------------------------
+def test_run_tp_mlp_checks_output_all_reduces_and_each_ranks_share():
+    for tp in (1, 2, 3):
+        assert run_tp_mlp(tp_mlp_forward, tp, seed=tp) | {"max_abs_diff": 0} == {
+            "output_equals_tp1": True, "ranks_agree": True, "all_reduces_per_rank": [1] * tp,
+            "partial_is_rank_share": True, "max_abs_diff": 0}
+
+    def no_all_reduce(x, gate, up, down, group):   # defined here: only a forked rank can run it
+        n = gate.shape[0] // group.size
+        cols = slice(group.rank * n, (group.rank + 1) * n)
+        return (torch.nn.functional.silu(x @ gate[cols].t()) * (x @ up[cols].t())) @ down[:, cols].t()
+
+    def whole_mlp_over_tp(x, gate, up, down, group):   # right output, but no rank computes only its share
+        return group.all_reduce((torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t() / group.size)
+
+    r = run_tp_mlp(no_all_reduce, 2)
+    assert not r["output_equals_tp1"] and r["all_reduces_per_rank"] == [0, 0] and r["max_abs_diff"] > 0.1
+    r = run_tp_mlp(whole_mlp_over_tp, 2)
+    assert r["output_equals_tp1"] and not r["partial_is_rank_share"]
+    with pytest.raises(RankError, match="shapes cannot be multiplied"):
+        run_tp_mlp(lambda x, gate, up, down, group: x @ gate[:3], 2)
+    with pytest.raises(ValueError, match="does not split"):
+        run_tp_mlp(tp_mlp_forward, 5)
+    with pytest.raises(ValueError, match="start_method"):
+        launch(parallel_ranks.all_reduce_sum, 2, (1.0,), start_method="forkserver")

@@ -23,6 +23,45 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "        raise ValueError('uneven split')\n"
                   "    return torch.chunk(weight, tp, dim=dims[style])[rank].contiguous()\n"],
     },
+    "lab08/tp_mlp_forward": {
+        "wrong": ["import torch\n"
+                  "def tp_mlp_forward(x, gate, up, down, group):\n"
+                  "    r, tp = group.rank, group.size\n"
+                  "    n = gate.shape[0] // tp\n"
+                  "    g = group.all_reduce(x @ gate[r * n:(r + 1) * n].t())  # all-reduce before the activation\n"
+                  "    u = x @ up[r * n:(r + 1) * n].t()\n"
+                  "    return (torch.nn.functional.silu(g) * u) @ down[:, r * n:(r + 1) * n].t()\n",
+                  "import torch\n"
+                  "def tp_mlp_forward(x, gate, up, down, group):\n"
+                  "    r, tp = group.rank, group.size\n"
+                  "    n = gate.shape[0] // tp\n"
+                  "    h = torch.nn.functional.silu(x @ gate[r * n:(r + 1) * n].t()) * (x @ up[r * n:(r + 1) * n].t())\n"
+                  "    m = down.shape[0] // tp\n"
+                  "    return group.all_reduce(h @ down[r * m:(r + 1) * m].t())  # down sharded by rows, not columns\n",
+                  "import torch\n"
+                  "def tp_mlp_forward(x, gate, up, down, group):\n"
+                  "    r, tp = group.rank, group.size\n"
+                  "    n = gate.shape[0] // tp\n"
+                  "    h = torch.nn.functional.silu(x @ gate[r * n:(r + 1) * n].t()) * (x @ up[r * n:(r + 1) * n].t())\n"
+                  "    return h @ down[:, r * n:(r + 1) * n].t()  # forgets the all-reduce: each rank has a partial sum\n",
+                  "import torch\n"
+                  "def tp_mlp_forward(x, gate, up, down, group):\n"
+                  "    # no sharding at all: every rank computes the whole MLP and 'all-reduces' its 1/tp of it\n"
+                  "    y = (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()\n"
+                  "    return group.all_reduce(y / group.size)\n"],
+        "right": ["import torch\n"
+                  "import torch.nn.functional as F\n"
+                  "def tp_mlp_forward(x, gate, up, down, group):\n"
+                  "    # gate and up fused into one column-parallel matmul, shards taken with chunk\n"
+                  "    g_r = gate.chunk(group.size, dim=0)[group.rank]\n"
+                  "    u_r = up.chunk(group.size, dim=0)[group.rank]\n"
+                  "    d_r = down.chunk(group.size, dim=1)[group.rank]\n"
+                  "    gu = F.linear(x, torch.cat([g_r, u_r]))\n"
+                  "    g, u = gu.split(g_r.shape[0], dim=-1)\n"
+                  "    out = F.linear(g * torch.sigmoid(g) * u, d_r)\n"
+                  "    group.all_reduce(out)  # in place\n"
+                  "    return out\n"],
+    },
     "lab08/tp_allreduces_per_token": {
         "wrong": ["def tp_allreduces_per_token(num_layers):\n"
                   "    return num_layers  # one per layer: forgets the MLP's (or the attention's) partial sums\n",
@@ -58,6 +97,50 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
         "right": ["def bubble_fraction(num_stages, num_microbatches):\n"
                   "    slots = num_microbatches + num_stages - 1\n"
                   "    return 1 - num_microbatches / slots\n"],
+    },
+    "lab08/pipeline_stage": {
+        "wrong": ["def pipeline_stage(stage, num_stages, num_microbatches, inputs, compute, send, recv):\n"
+                  "    # store-and-forward: collect every micro-batch first, then compute them all, then send them all\n"
+                  "    xs = inputs if stage == 0 else [recv(stage - 1) for _ in range(num_microbatches)]\n"
+                  "    ys = [compute(x) for x in xs]\n"
+                  "    if stage == num_stages - 1:\n"
+                  "        return ys\n"
+                  "    for y in ys:\n"
+                  "        send(y, stage + 1)\n",
+                  "import torch\n"
+                  "def pipeline_stage(stage, num_stages, num_microbatches, inputs, compute, send, recv):\n"
+                  "    # no micro-batches: the whole batch passes as one block\n"
+                  "    outs = []\n"
+                  "    for j in range(num_microbatches):\n"
+                  "        x = inputs[j] if stage == 0 else recv(stage - 1)\n"
+                  "        outs.append(x)\n"
+                  "    y = compute(torch.cat(outs))\n"
+                  "    if stage == num_stages - 1:\n"
+                  "        return list(y.chunk(num_microbatches))\n"
+                  "    for part in y.chunk(num_microbatches):\n"
+                  "        send(part, stage + 1)\n",
+                  "def pipeline_stage(stage, num_stages, num_microbatches, inputs, compute, send, recv):\n"
+                  "    outs = []\n"
+                  "    for j in reversed(range(num_microbatches)):  # the last stage returns them in reverse order\n"
+                  "        x = inputs[j] if stage == 0 else recv(stage - 1)\n"
+                  "        y = compute(x)\n"
+                  "        if stage < num_stages - 1:\n"
+                  "            send(y, stage + 1)\n"
+                  "        else:\n"
+                  "            outs.append(y)\n"
+                  "    return outs if stage == num_stages - 1 else None\n"],
+        "right": ["def pipeline_stage(stage, num_stages, num_microbatches, inputs, compute, send, recv):\n"
+                  "    # the schedule as time steps: at step t stage s works on micro-batch t - s\n"
+                  "    done = {}\n"
+                  "    for t in range(num_microbatches + num_stages - 1):\n"
+                  "        j = t - stage\n"
+                  "        if not 0 <= j < num_microbatches:\n"
+                  "            continue\n"
+                  "        x = recv(stage - 1) if stage > 0 else inputs[j]\n"
+                  "        done[j] = compute(x)\n"
+                  "        if stage + 1 < num_stages:\n"
+                  "            send(done.pop(j), stage + 1)\n"
+                  "    return [done[j] for j in sorted(done)] if stage == num_stages - 1 else None\n"],
     },
     "lab08/dispatch_indices": {
         "wrong": ["import torch\n"

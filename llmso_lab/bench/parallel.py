@@ -14,6 +14,10 @@ In one run on SmolLM2 (and tiny seeded models for EP / CP):
   all-to-all bytes at capacity factors 1.0 / 1.25 / none;
 - `tables["cp"]`: ring attention on 4 ranks: (query, key) pairs per rank for the contiguous and zig-zag splits.
 Ratios: `tp3_vs_tp1_batch1`, `tp3_vs_tp1_batch8`, `pp_bubble_m1`, `pp_bubble_m4` (measured), `cp_contiguous_imbalance`.
+
+`tp_step_breakdown` (Lab 08's live cell, not part of the recorded run) splits one TP decode step into compute, the
+all-reduce's link time (one all-reduce of that size timed alone), the time ranks wait for each other inside it, and
+the driver's share.
 """
 from __future__ import annotations
 
@@ -202,3 +206,74 @@ def run(quick: bool = False, **overrides) -> dict:
                        "pp_bubble_m1": prefill[1]["measured_bubble"], "pp_bubble_m4": prefill[4]["measured_bubble"],
                        "cp_contiguous_imbalance": cp_rows[0]["imbalance"]},
             "seconds": round(time.perf_counter() - t_start, 1)}
+
+
+def tp_step_breakdown(model, tp: int = 2, batch: int = 1, max_tokens: int = 16, rounds: int = 3) -> dict:
+    """Where one decode step's time goes under TP on this machine, next to TP 1 (the engine, greedy, `batch` prompts
+    of 12 tokens, `max_tokens` each; engines take turns for `rounds` rounds, the fastest round of each is kept).
+
+    Per forward (one prefill, then decode steps), in ms:
+    - "tp1 (2 threads)" / "tp1 (1 thread)": the whole model in one process; "compute" = ModelRunner.forward;
+    - f"tp{tp}": "compute" = a rank's forward minus its time inside all_reduce (mean over ranks), "all-reduce: link"
+      = all-reduces per forward x one all_reduce of that size timed alone between `tp` ranks that start together
+      (`comm.measure_gloo_allreduce`: latency + bytes / bandwidth, nothing else), "all-reduce: waiting" = the rest
+      of the time inside all_reduce (a rank that arrives first waits for the slower one: scheduling, unequal work);
+    - "driver + pipes" = the step's wall time minus the model forward (rank 0's for TP): scheduling, sampling, and
+      for TP the batch sent to every rank and the logits coming back through pipes.
+    Returns {"rows": [{config, step_ms, compute_ms, link_ms, wait_ms, driver_ms, tokens_per_s}],
+             "allreduce_bytes", "allreduce_alone_us", "allreduces_per_forward"}."""
+    from llmso_lab.engine import LLM
+    from llmso_lab.sim import comm
+
+    prompts = [[1 + 7 * i + j for j in range(12)] for i in range(batch)]
+    threads = torch.get_num_threads()
+    engines = {"tp1 (2 threads)": LLM(model, max_model_len=256),
+               f"tp{tp} ({tp} ranks x 1 thread)": LLM(model, max_model_len=256, tensor_parallel_size=tp)}
+    tp_name = f"tp{tp} ({tp} ranks x 1 thread)"
+    best: dict[str, dict] = {}
+    try:
+        for llm in engines.values():
+            _decode_run(llm, prompts[:1], 4)   # warm-up
+        for _ in range(rounds):
+            for name in ("tp1 (2 threads)", "tp1 (1 thread)", tp_name):
+                llm = engines["tp1 (2 threads)" if name.startswith("tp1") else tp_name]
+                runner = llm.model_runner
+                if name == "tp1 (1 thread)":
+                    torch.set_num_threads(1)
+                try:
+                    before = runner.rank_stats() if name == tp_name else {"fwd": runner.forward_s,
+                                                                          "n": runner.num_forwards}
+                    t0 = time.perf_counter()
+                    rate, _ = _decode_run(llm, prompts, max_tokens)
+                    wall = time.perf_counter() - t0
+                    after = runner.rank_stats() if name == tp_name else {"fwd": runner.forward_s,
+                                                                         "n": runner.num_forwards}
+                finally:
+                    torch.set_num_threads(threads)
+                if name == tp_name:
+                    n = after[0]["forwards"] - before[0]["forwards"]
+                    fwd = [(a["forward_s"] - b["forward_s"]) / n for a, b in zip(after, before)]
+                    ar = [(a["all_reduce_s"] - b["all_reduce_s"]) / n for a, b in zip(after, before)]
+                    per_fwd = (after[0]["all_reduces"] - before[0]["all_reduces"]) / n
+                    row = {"step_ms": wall / n, "compute_ms": sum(f - a for f, a in zip(fwd, ar)) / tp,
+                           "allreduce_ms": sum(ar) / tp, "driver_ms": wall / n - fwd[0], "per_fwd": per_fwd}
+                else:
+                    n = after["n"] - before["n"]
+                    fwd = (after["fwd"] - before["fwd"]) / n
+                    row = {"step_ms": wall / n, "compute_ms": fwd, "allreduce_ms": 0.0, "driver_ms": wall / n - fwd}
+                row["tokens_per_s"] = rate
+                if name not in best or row["step_ms"] < best[name]["step_ms"]:
+                    best[name] = row
+    finally:
+        engines[tp_name].shutdown()
+    nbytes = model.config.hidden_size * 4 * batch          # one decode all-reduce: [batch, hidden] fp32
+    alone_s = comm.measure_gloo_allreduce(tp, sizes=(nbytes,), budget_s=0.1)[0][1]
+    per_fwd = best[tp_name].pop("per_fwd")
+    rows = []
+    for name, r in best.items():
+        link = per_fwd * alone_s if name == tp_name else 0.0
+        rows.append({"config": name, "step_ms": round(1e3 * r["step_ms"], 2), "compute_ms": round(1e3 * r["compute_ms"], 2),
+                     "link_ms": round(1e3 * link, 2), "wait_ms": round(1e3 * max(0.0, r["allreduce_ms"] - link), 2),
+                     "driver_ms": round(1e3 * r["driver_ms"], 2), "tokens_per_s": round(r["tokens_per_s"], 1)})
+    return {"rows": rows, "allreduce_bytes": nbytes, "allreduce_alone_us": round(alone_s * 1e6, 1),
+            "allreduces_per_forward": per_fwd}

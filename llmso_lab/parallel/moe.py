@@ -20,6 +20,7 @@ single-process reference; `expert_parallel_moe` (inside a process group) is buil
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -119,6 +120,8 @@ class MoELayerStats:
     dispatch_bytes: int
     combine_bytes: int
     capacity: list[int] = field(default_factory=list)   # per rank (one entry before merging)
+    all_to_all_s: list[float] = field(default_factory=list)   # per rank: seconds inside the three all_to_alls
+    expert_s: list[float] = field(default_factory=list)       # per rank: seconds computing its experts
 
     @property
     def imbalance(self) -> float:
@@ -131,7 +134,8 @@ class MoELayerStats:
         return MoELayerStats([sum(v) for v in zip(*(p.routed for p in parts))],
                              [sum(v) for v in zip(*(p.kept for p in parts))],
                              sum(p.dropped for p in parts), sum(p.dispatch_bytes for p in parts),
-                             sum(p.combine_bytes for p in parts), [c for p in parts for c in p.capacity])
+                             sum(p.combine_bytes for p in parts), [c for p in parts for c in p.capacity],
+                             [t for p in parts for t in p.all_to_all_s], [t for p in parts for t in p.expert_s])
 
 
 def expert_parallel_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -159,6 +163,7 @@ def expert_parallel_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_up: tor
     tok, choice = tok[order], choice[order]
     send_counts = expert_load(experts[tok, choice][:, None], E)  # [E] rows for each expert
     recv_counts = torch.empty_like(send_counts)  # [W * n]: from rank s, rows for my expert e at s*n + e
+    t0 = time.perf_counter()
     dist.all_to_all_single(recv_counts, send_counts)  # counts first: receivers size their buffers
     send_split = send_counts.view(W, n).sum(1).tolist()  # rows to each rank
     recv_split = recv_counts.view(W, n).sum(1).tolist()  # rows from each rank
@@ -166,6 +171,7 @@ def expert_parallel_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_up: tor
     # Dispatch: token activations go to the ranks owning their experts.
     received = x.new_empty(sum(recv_split), H)
     dist.all_to_all_single(received, x[tok].contiguous(), recv_split, send_split)
+    t1 = time.perf_counter()
 
     # Compute: rows arrive grouped by source rank, then by my local expert.
     local_expert = torch.arange(n).repeat(W).repeat_interleave(recv_counts)  # [rows]
@@ -174,17 +180,20 @@ def expert_parallel_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_up: tor
         rows = local_expert == e
         if rows.any():
             out[rows] = expert_mlp(received[rows], gate_up[e], down[e], act).to(out.dtype)
+    t2 = time.perf_counter()
 
     # Combine: results travel back along the reverse splits, in the order the rows were sent.
     back = x.new_empty(len(tok), H)
     dist.all_to_all_single(back, out, send_split, recv_split)
+    t3 = time.perf_counter()
     y = torch.zeros_like(x)
     y.index_add_(0, tok, (back * weights[tok, choice, None]).to(y.dtype))
 
     row_bytes = H * x.element_size()
     stats = MoELayerStats(routed.tolist(), send_counts.tolist(), int((slot < 0).sum()),
                           (sum(send_split) - send_split[rank]) * row_bytes,
-                          (sum(recv_split) - recv_split[rank]) * row_bytes, [capacity])
+                          (sum(recv_split) - recv_split[rank]) * row_bytes, [capacity],
+                          [(t1 - t0) + (t3 - t2)], [t2 - t1])
     return y, stats
 
 

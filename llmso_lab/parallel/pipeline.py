@@ -37,8 +37,9 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Interval", "PipelineJob", "PipelineStage", "StageKVCache", "bubble_fraction", "measured_bubble",
-           "pipeline_generate", "pipeline_prefill", "pipeline_run", "split_batch", "split_layers"]
+__all__ = ["Interval", "PipelineJob", "PipelineStage", "StageKVCache", "bubble_fraction", "gpipe_stage",
+           "measured_bubble", "pipeline_generate", "pipeline_prefill", "pipeline_run", "pipeline_stage_ideal",
+           "run_pipeline_stage", "split_batch", "split_layers"]
 
 
 # ---- pure reference functions (student exercises) --------------------------------------------------------
@@ -328,3 +329,147 @@ def pipeline_generate(model, prompt_ids, num_stages: int, num_microbatches: int,
     the tokens equal Hugging Face `generate(do_sample=False)` without an EOS stop."""
     return pipeline_run(model, [PipelineJob("generate", prompt_ids, num_microbatches, max_new_tokens)], num_stages,
                         timeout_s=timeout_s)[0]
+
+
+# ---- a stage's loop, run for real across ranks (Lab 08's exercise and its harness) -----------------------------
+
+def gpipe_stage(stage: int, num_stages: int, num_microbatches: int, inputs, compute, send, recv):
+    """One stage of a GPipe forward pass, as every rank runs it: for each micro-batch in order, take its input (stage
+    0: `inputs[j]`; later stages: `recv(stage - 1)`), `compute` it, and hand the result on (`send(y, stage + 1)`);
+    the last stage keeps the outputs and returns them in micro-batch order (the other stages return None). Stage s
+    works on micro-batch j while stage s + 1 works on j - 1: that overlap is the whole point of micro-batches."""
+    outputs = []
+    for j in range(num_microbatches):
+        x = inputs[j] if stage == 0 else recv(stage - 1)
+        y = compute(x)
+        if stage + 1 < num_stages:
+            send(y, stage + 1)
+        else:
+            outputs.append(y)
+    return outputs if stage + 1 == num_stages else None
+
+
+def _stage_weight(stage: int, hidden: int, seed: int) -> Tensor:
+    return torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(seed + 100 + stage)) / hidden ** 0.5
+
+
+def _schedule_rank(rank: int, world_size: int, fn, num_microbatches: int, rows: int, hidden: int, seed: int,
+                   slot_s: float) -> dict:
+    """One stage for `run_pipeline_stage`: gives `fn` its compute / send / recv and records each compute twice: its
+    wall-clock interval (seconds after a common t0 broadcast by rank 0) and its interval on a logical clock in slots.
+    The logical clock replays the run as an ideal machine would: every compute takes one slot, a stage's clock moves
+    to a message's stamp when it receives it (it cannot start before the data exists), and a message carries the
+    sender's clock. It depends on the order of the stage's calls only, not on how busy the machine is."""
+    import torch.distributed as dist
+
+    weight = _stage_weight(rank, hidden, seed)
+    inputs = None
+    if rank == 0:
+        gen = torch.Generator().manual_seed(seed)
+        inputs = [torch.randn(rows, hidden, generator=gen) for _ in range(num_microbatches)]
+    pending, intervals, logical = [], [], []
+    clock = [0.0]   # this stage's logical time, in slots
+    dist.barrier()
+    t0 = torch.tensor([time.perf_counter()], dtype=torch.float64)
+    dist.broadcast(t0, src=0)
+    t0 = float(t0)
+
+    def compute(x: Tensor) -> Tensor:
+        """This stage's layers on one micro-batch; takes `slot_s` of wall time (a sleep stands in for the GPU kernel,
+        so that ranks sharing 2 cores do not slow each other and the timing shows the schedule alone)."""
+        start = time.perf_counter()
+        y = torch.tanh(x @ weight)
+        time.sleep(max(0.0, slot_s - (time.perf_counter() - start)))
+        intervals.append((start - t0, time.perf_counter() - t0))
+        logical.append((clock[0], clock[0] + 1.0))
+        clock[0] += 1.0
+        return y
+
+    def check_peer(peer, what: str) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < world_size or peer == rank:
+            raise ValueError(f"stage {rank}: {what} stage {peer!r}; the stages are 0..{world_size - 1}")
+
+    def send(t: Tensor, dst: int) -> None:
+        """Send activations [rows, hidden] to stage `dst` (non-blocking: returns at once)."""
+        check_peer(dst, "send to")
+        if not isinstance(t, Tensor) or tuple(t.shape) != (rows, hidden):
+            raise ValueError(f"stage {rank}: send takes one micro-batch's activations [{rows}, {hidden}], got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        t = t.detach().float().contiguous()
+        stamp = torch.tensor([clock[0]], dtype=torch.float64)
+        pending.append((dist.isend(t, dst=dst), t))
+        pending.append((dist.isend(stamp, dst=dst), stamp))
+
+    def recv(src: int) -> Tensor:
+        """The next micro-batch's activations from stage `src` (blocks until they arrive)."""
+        check_peer(src, "recv from")
+        x, stamp = torch.empty(rows, hidden), torch.empty(1, dtype=torch.float64)
+        dist.recv(x, src=src)
+        dist.recv(stamp, src=src)
+        clock[0] = max(clock[0], float(stamp))
+        return x
+
+    with torch.no_grad():
+        out = fn(rank, world_size, num_microbatches, inputs, compute, send, recv)
+    for work, _ in pending:
+        work.wait()
+    dist.barrier()   # no rank tears the group down while a peer still receives
+    if rank == world_size - 1:
+        if not isinstance(out, (list, tuple)) or not all(isinstance(y, Tensor) for y in out):
+            raise TypeError("the last stage must return the list of its micro-batch outputs (tensors)")
+        out = [y.detach().clone() for y in out]
+    return {"intervals": intervals, "logical": logical, "outputs": out if rank == world_size - 1 else None}
+
+
+def run_pipeline_stage(fn, num_stages: int, num_microbatches: int, rows: int = 2, hidden: int = 8, seed: int = 0,
+                       slot_ms: float = 20.0, timeout_s: float = 20.0) -> dict:
+    """Harness of the `pipeline_stage` exercise: run `fn(stage, num_stages, num_microbatches, inputs, compute, send,
+    recv)` in `num_stages` real gloo ranks (forked processes, so `fn` may come from a notebook cell). Stage s's
+    `compute(x)` is tanh(x @ W_s) and lasts `slot_ms`; `send(y, dst)` / `recv(src)` move activations [rows, hidden].
+    Returns plain data:
+    {"outputs_equal_single_process": the last stage's outputs equal the m micro-batches passed through all stages
+     in one process, "computes_per_stage": [compute calls of each stage] (m each),
+     "bubble": the idle share 1 - busy / (p x makespan) on the logical clock (one slot per compute, a stage waits
+     for its input: see `_schedule_rank`), which does not depend on the machine's load (GPipe: (p - 1) / (m + p - 1)),
+     "makespan_slots": the logical makespan (GPipe: m + p - 1),
+     "bubble_wall": the same measured with the wall clock (`measured_bubble`; a little above on a busy machine),
+     "timeline": [(stage, j, t_start, t_end)] wall-clock seconds}.
+    Raises launcher.RankError ('rank r: the exception') when `fn` fails in a rank."""
+    from llmso_lab.parallel.launcher import RankError, launch
+
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    split_batch(num_microbatches, num_microbatches)     # checks num_microbatches
+    try:
+        ranks = launch(_schedule_rank, num_stages, args=(fn, num_microbatches, rows, hidden, seed, slot_ms / 1e3),
+                       timeout_s=timeout_s, start_method="fork")
+    except RankError as err:
+        raise err.brief() from None
+    gen = torch.Generator().manual_seed(seed)
+    expected = [torch.randn(rows, hidden, generator=gen) for _ in range(num_microbatches)]
+    with torch.no_grad():
+        for s in range(num_stages):
+            expected = [torch.tanh(x @ _stage_weight(s, hidden, seed)) for x in expected]
+    got = ranks[-1]["outputs"]
+    equal = len(got) == len(expected) and all(g.shape == e.shape and torch.allclose(g.float(), e, atol=1e-6)
+                                              for g, e in zip(got, expected))
+    wall = [Interval(s, j, "prefill", a, b) for s, r in enumerate(ranks) for j, (a, b) in enumerate(r["intervals"])]
+    ideal = [Interval(s, j, "prefill", a, b) for s, r in enumerate(ranks) for j, (a, b) in enumerate(r["logical"])]
+    if not wall:
+        raise ValueError("no stage called compute(): nothing ran")
+    return {"outputs_equal_single_process": bool(equal),
+            "computes_per_stage": [len(r["intervals"]) for r in ranks],
+            "bubble": round(measured_bubble(ideal, num_stages), 3),
+            "makespan_slots": max(iv.t_end for iv in ideal) - min(iv.t_start for iv in ideal),
+            "bubble_wall": round(measured_bubble(wall, num_stages), 3),
+            "timeline": [(iv.stage, iv.microbatch, round(iv.t_start, 4), round(iv.t_end, 4)) for iv in wall]}
+
+
+def pipeline_stage_ideal(num_stages: int, num_microbatches: int, *args, **kwargs) -> dict:
+    """What `run_pipeline_stage` reports for a correct GPipe stage (the grader's expected value): equal outputs,
+    m computes per stage, bubble (p - 1) / (m + p - 1) in m + p - 1 slots on the logical clock (the wall-clock
+    bubble and timeline are for the reader: None here, not graded)."""
+    p, m = num_stages, num_microbatches
+    return {"outputs_equal_single_process": True, "computes_per_stage": [m] * p,
+            "bubble": round(bubble_fraction(p, m), 3), "makespan_slots": float(m + p - 1), "bubble_wall": None,
+            "timeline": None}

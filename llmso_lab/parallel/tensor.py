@@ -26,13 +26,13 @@ from torch import Tensor
 
 from llmso_lab.engine.model_runner import BatchBuilder
 from llmso_lab.parallel.heads import shard_heads
-from llmso_lab.parallel.launcher import Workers
+from llmso_lab.parallel.launcher import RankError, Workers
 
 if TYPE_CHECKING:
     from llmso_lab.engine.config import EngineConfig
 
 __all__ = ["shard_linear", "column_parallel_linear", "row_parallel_linear", "head_slices", "shard_llama_layer",
-           "TensorParallelExecutor"]
+           "TensorParallelExecutor", "tp_mlp_forward", "run_tp_mlp", "mlp_weights"]
 
 
 def shard_linear(weight: Tensor, rank: int, tp: int, style: str) -> Tensor:
@@ -207,3 +207,97 @@ class TensorParallelExecutor(BatchBuilder):
 
     def shutdown(self) -> None:
         self.workers.shutdown()
+
+
+# ---- the MLP under TP, run for real across ranks (Lab 08's exercise and its harness) ---------------------------
+def tp_mlp_forward(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, group) -> Tensor:
+    """One rank's share of a Llama MLP, down(silu(gate(x)) * up(x)), under tensor parallelism. x [T, H] (every rank
+    has all of it); gate, up [I, H] and down [H, I]: the FULL Hugging Face weights; `group` has .rank, .size and
+    .all_reduce(t) (sums t over the ranks in place and returns it). gate/up column-parallel (this rank's I/tp rows),
+    SwiGLU on the rank's slice (elementwise: no communication), down row-parallel (the same I/tp columns) ->
+    a partial [T, H]; ONE all-reduce makes it the full output on every rank."""
+    r, tp = group.rank, group.size
+    g = x @ shard_linear(gate, r, tp, "column").t()          # [T, I/tp]
+    u = x @ shard_linear(up, r, tp, "column").t()            # [T, I/tp]
+    partial = (torch.nn.functional.silu(g) * u) @ shard_linear(down, r, tp, "row").t()   # [T, H], a partial sum
+    return group.all_reduce(partial)
+
+
+class RecordingGroup(TensorParallelGroup):
+    """A TP group that also keeps a copy of every tensor handed to all_reduce (before the sum): the harness checks
+    that a rank contributes its own share, not the whole MLP divided by tp."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.sent: list[Tensor] = []
+
+    def all_reduce(self, partial: Tensor) -> Tensor:
+        if not isinstance(partial, Tensor):
+            raise TypeError(f"all_reduce takes a tensor, got {type(partial).__name__}")
+        self.sent.append(partial.detach().clone())
+        return super().all_reduce(partial)
+
+
+def _tp_mlp_rank(rank: int, world_size: int, fn, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> dict:
+    import torch.distributed as dist
+
+    group = RecordingGroup(rank, world_size)
+    dist.barrier()   # every pair connected before the student's code runs
+    with torch.no_grad():
+        y = fn(x.clone(), gate.clone(), up.clone(), down.clone(), group)
+    dist.barrier()   # no rank tears the group down while a peer still uses it (e.g. when fn never communicates)
+    if not isinstance(y, Tensor):
+        raise TypeError(f"tp_mlp_forward must return a tensor [T, H], got {type(y).__name__}")
+    return {"y": y.detach().clone(), "sent": group.sent, "seconds": group.all_reduce_s}
+
+
+def mlp_weights(hidden: int, intermediate: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Seeded (gate [I, H], up [I, H], down [H, I]) of a Llama MLP, scaled like a trained layer (std 1/sqrt(fan-in))."""
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(intermediate, hidden, generator=gen) / hidden ** 0.5
+    up = torch.randn(intermediate, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(hidden, intermediate, generator=gen) / intermediate ** 0.5
+    return gate, up, down
+
+
+def run_tp_mlp(fn, tp: int, num_tokens: int = 5, hidden: int = 16, intermediate: int = 24, seed: int = 0,
+               weights: tuple[Tensor, Tensor, Tensor] | None = None, timeout_s: float = 20.0) -> dict:
+    """Harness of the `tp_mlp_forward` exercise: run `fn(x, gate, up, down, group)` in `tp` real gloo ranks (forked
+    processes, so `fn` may come from a notebook cell) on a seeded MLP (or `weights` = (gate, up, down)), and compare
+    with the unsharded MLP computed here in one process. Returns plain data:
+    {"output_equals_tp1": every rank's output matches down(silu(gate x) * up x) (fp32; up to 1e-5 of the largest sum
+     of |terms|, i.e. rounding from summing in another order),
+     "ranks_agree": all ranks return the same tensor, "all_reduces_per_rank": [count per rank] (1 each),
+     "partial_is_rank_share": what each rank summed is exactly its own I/tp slice's contribution,
+     "max_abs_diff": the largest |TP - TP1| (for the reader; graded loosely)}.
+    Raises launcher.RankError ('rank r: the exception') when `fn` fails in a rank."""
+    from llmso_lab.parallel.launcher import launch
+
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    gate, up, down = weights if weights is not None else mlp_weights(hidden, intermediate, seed)
+    gate, up, down = (w.detach().float() for w in (gate, up, down))
+    I = gate.shape[0]
+    if I % tp:
+        raise ValueError(f"intermediate size {I} does not split over tp={tp}")
+    x = torch.randn(num_tokens, gate.shape[1], generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        act = torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())          # [T, I]
+        full = act @ down.t()                                                # [T, H]
+        per = I // tp
+        shares = [act[:, r * per:(r + 1) * per] @ down[:, r * per:(r + 1) * per].t() for r in range(tp)]
+    try:
+        ranks = launch(_tp_mlp_rank, tp, args=(fn, x, gate, up, down), timeout_s=timeout_s, start_method="fork")
+    except RankError as err:
+        raise err.brief() from None
+    # fp32 sums in another order differ by rounding only: allow 1e-5 of the largest sum of |terms| (|act| @ |down|^T)
+    tol = 1e-5 * float((act.abs() @ down.abs().t()).max())
+    ok = lambda a, b: a.shape == b.shape and bool(((a.float() - b).abs() <= tol).all())  # noqa: E731
+    return {"output_equals_tp1": all(ok(r["y"], full) for r in ranks),
+            "ranks_agree": all(r["y"].shape == ranks[0]["y"].shape and torch.equal(r["y"], ranks[0]["y"])
+                               for r in ranks),
+            "all_reduces_per_rank": [len(r["sent"]) for r in ranks],
+            "partial_is_rank_share": all(len(r["sent"]) >= 1 and ok(r["sent"][0], share)
+                                         for r, share in zip(ranks, shares)),
+            "max_abs_diff": max(float((r["y"].float() - full).abs().max()) if r["y"].shape == full.shape
+                                else float("inf") for r in ranks)}

@@ -1,10 +1,18 @@
 """Lab 08 (parallelism: TP, PP, EP, context parallelism) exercises and their public checks.
 
-References: `llmso_lab.parallel.tensor:shard_linear`, `llmso_lab.sim.comm:tp_allreduces_per_token`,
-`llmso_lab.sim.comm:allreduce_time`, `llmso_lab.parallel.pipeline:bubble_fraction`,
-`llmso_lab.parallel.moe:dispatch_indices`, `llmso_lab.parallel.ring:ring_attention_step`. All single-process and
-pure; tensor inputs are small and built from seeded generators, so the checks are the same on every machine.
-`allreduce_time` takes a `hardware.Link` (case arguments may hold one: `protocol.ARGUMENT_CLASSES`).
+References: `llmso_lab.parallel.tensor:shard_linear`, `llmso_lab.parallel.tensor:tp_mlp_forward`,
+`llmso_lab.sim.comm:tp_allreduces_per_token`, `llmso_lab.sim.comm:allreduce_time`,
+`llmso_lab.parallel.pipeline:bubble_fraction`, `llmso_lab.parallel.pipeline:gpipe_stage`,
+`llmso_lab.parallel.moe:dispatch_indices`, `llmso_lab.parallel.ring:ring_attention_step`.
+
+Two are mechanisms run for real across processes (harness exercises): `tp_mlp_forward` runs in 2-4 forked gloo ranks
+(`tensor.run_tp_mlp`) and must equal the unsharded MLP with one all-reduce of the rank's own share;
+`pipeline_stage` runs as every stage of a 2-4 stage pipeline (`pipeline.run_pipeline_stage`), whose outputs must
+equal one process's and whose bubble, measured on the harness's logical clock (one slot per compute, a stage
+waits for its input's stamp: independent of the machine's load), must be GPipe's (p - 1) / (m + p - 1) in
+m + p - 1 slots (expected values from `pipeline_stage_ideal`; the wall-clock bubble is reported, not graded). The others are single-process and pure; tensor inputs are
+small and built from seeded generators, so the checks are the same on every machine. `allreduce_time` takes a
+`hardware.Link` (case arguments may hold one: `protocol.ARGUMENT_CLASSES`).
 """
 from __future__ import annotations
 
@@ -28,6 +36,46 @@ ATTENTION_MERGE_CODE = (
     "llmso_lab.attention.reference:flash_decoding_torch", "llmso_lab.attention.varlen:varlen_attention_torch",
     "llmso_lab.attention.fallback:flash_attention", "llmso_lab.attention.fallback:flash_decoding",
     "torch.nn.functional:scaled_dot_product_attention")
+
+
+def run_report(hints: dict[str, str] | None = None, ignore: tuple[str, ...] = ()) -> Comparator:
+    """Compare a harness's report (a dict) key by key, exactly, except the `ignore`d keys (for the reader: a
+    wall-clock timing, a float error). A mismatch names the key and adds its hint."""
+    hints = hints or {}
+
+    def cmp(got: Any, exp: Any) -> str | None:
+        if not isinstance(got, dict):
+            return f"expected the harness's report (a dict), got {type(got).__name__}"
+        for key, e in exp.items():
+            if key in ignore:
+                continue
+            if key not in got:
+                return f"the report has no {key!r}"
+            if got[key] != e:
+                return f"{key}: got {got[key]!r}, expected {e!r}. {hints.get(key, '')}".strip()
+        return None
+
+    return cmp
+
+
+TP_HINTS = {
+    "output_equals_tp1": "Each rank must end with the FULL MLP output: gate/up column-parallel (rows of the weight), "
+                         "SwiGLU on the rank's slice, down row-parallel (the same columns), then the all-reduce.",
+    "all_reduces_per_rank": "One all-reduce per MLP, after down_proj (group.all_reduce): activations before down are "
+                            "slices of different features, not partial sums.",
+    "partial_is_rank_share": "What a rank all-reduces must be its own share: silu(x G_r^T) * (x U_r^T) @ D_r^T with "
+                             "G_r, U_r its I/tp rows and D_r the same I/tp columns of down (not the whole MLP / tp).",
+    "ranks_agree": "After the all-reduce every rank holds the same sum.",
+}
+PP_HINTS = {
+    "outputs_equal_single_process": "The last stage must return its m outputs in micro-batch order, each the "
+                                    "micro-batch passed through every stage once.",
+    "computes_per_stage": "Each stage computes each micro-batch once (not the whole batch at once).",
+    "bubble": "Hand each micro-batch on as soon as it is computed (send), and receive the next one only when you "
+              "need it: a stage that first collects all m micro-batches leaves the pipeline idle, (p - 1) / p. "
+              "run_pipeline_stage(pipeline_stage, 3, 4) shows the measured timeline.",
+    "makespan_slots": "GPipe finishes in m + p - 1 slots: stage s computes micro-batch j in slot s + j.",
+}
 
 
 def gen(seed: int) -> torch.Generator:
@@ -107,7 +155,7 @@ def attention_state(atol: float = 1e-5, rtol: float = 1e-5) -> Comparator:
 
 
 register(
-    Exercise("shard_linear", "08", 20, "llmso_lab.parallel.tensor:shard_linear", [
+    Exercise("shard_linear", "08", 5, "llmso_lab.parallel.tensor:shard_linear", [
         Case("column-parallel, tp 2, rank 0: the first half of the rows (output features) of a [4, 6] weight",
              (counting_weight(4, 6), 0, 2, "column")),
         Case("column-parallel, tp 4, rank 3: the last 2 of 8 rows", (counting_weight(8, 6), 3, 4, "column")),
@@ -127,13 +175,22 @@ register(
     ], compare=exact(),
         description="rank r's slice of a Hugging Face weight [out, in]: rows (column-parallel) or columns "
                     "(row-parallel)"),
-    Exercise("tp_allreduces_per_token", "08", 10, "llmso_lab.sim.comm:tp_allreduces_per_token", [
+    Exercise("tp_mlp_forward", "08", 30, "llmso_lab.parallel.tensor:tp_mlp_forward", [
+        Case("2 gloo ranks: an MLP with hidden 16, intermediate 24", (2,)),
+        Case("3 gloo ranks (8 of the 24 intermediate features each), 7 tokens", (3,), {"num_tokens": 7, "seed": 3}),
+        Case("4 ranks, hidden 12, intermediate 32", (4,), {"hidden": 12, "intermediate": 32, "seed": 5}),
+    ], compare=run_report(hints=TP_HINTS, ignore=("max_abs_diff",)), harness="llmso_lab.parallel.tensor:run_tp_mlp",
+        tripwires=("llmso_lab.parallel.tensor:column_parallel_linear", "llmso_lab.parallel.tensor:row_parallel_linear"),
+        timeout_s=60.0,
+        description="one rank's Megatron MLP (column gate/up, SwiGLU, row down, one all-reduce), run in real gloo "
+                    "ranks; the gathered result must equal TP = 1"),
+    Exercise("tp_allreduces_per_token", "08", 5, "llmso_lab.sim.comm:tp_allreduces_per_token", [
         Case("SmolLM2-135M: 30 layers", (30,)),
         Case("Llama-3-70B: 80 layers (the lecture's count)", (80,)),
         Case("a single layer", (1,)),
     ], compare=exact(),
         description="two all-reduces per layer (after o_proj and after down_proj), whatever the number of tokens"),
-    Exercise("allreduce_time", "08", 15, "llmso_lab.sim.comm:allreduce_time", [
+    Exercise("allreduce_time", "08", 5, "llmso_lab.sim.comm:allreduce_time", [
         Case("one decode token of a 8192-wide model in bf16 (16 KB), 8 GPUs on NVLink4: latency-bound",
              (16384, 8, LINKS["NVLink4"])),
         Case("1 GB over 8 GPUs on NVLink4: bandwidth-bound, each rank sends 2 (n - 1) / n of the bytes",
@@ -144,14 +201,23 @@ register(
     ], compare=rel, tripwires=COLLECTIVE_CODE,
         description="ring all-reduce: 2 (n - 1) steps, each sending one 1/n chunk: "
                     "2 (n - 1) / n * nbytes / bandwidth + 2 (n - 1) * latency"),
-    Exercise("bubble_fraction", "08", 10, "llmso_lab.parallel.pipeline:bubble_fraction", [
+    Exercise("bubble_fraction", "08", 5, "llmso_lab.parallel.pipeline:bubble_fraction", [
         Case("4 stages, 8 micro-batches", (4, 8)),
         Case("2 stages, 4 micro-batches", (2, 4)),
         Case("8 stages, 1 micro-batch: one stage works at a time", (8, 1)),
         Case("1 stage: no pipeline, no bubble", (1, 6)),
     ], compare=rel,
         description="GPipe's idle share (p - 1) / (m + p - 1): m + p - 1 slots, each stage busy in m of them"),
-    Exercise("dispatch_indices", "08", 25, "llmso_lab.parallel.moe:dispatch_indices", [
+    Exercise("pipeline_stage", "08", 20, "llmso_lab.parallel.pipeline:gpipe_stage", [
+        Case("2 stages, 4 micro-batches: bubble 1/5", (2, 4)),
+        Case("3 stages, 4 micro-batches: bubble 2/6", (3, 4), {"seed": 1}),
+        Case("4 stages, 3 micro-batches, wider activations: bubble 3/6", (4, 3), {"rows": 3, "hidden": 6, "seed": 2}),
+    ], compare=run_report(hints=PP_HINTS, ignore=("bubble_wall", "timeline")),
+        harness="llmso_lab.parallel.pipeline:run_pipeline_stage", oracle="llmso_lab.parallel.pipeline:pipeline_stage_ideal",
+        timeout_s=60.0,
+        description="one stage's GPipe loop (recv, compute, send per micro-batch), run as every stage of a real "
+                    "pipeline; outputs equal one process's, measured bubble (p - 1) / (m + p - 1)"),
+    Exercise("dispatch_indices", "08", 15, "llmso_lab.parallel.moe:dispatch_indices", [
         Case("no capacity limit: slot = how many earlier choices went to the same expert",
              (torch.tensor([[0, 1], [1, 2], [0, 1], [2, 0]]), 3, None)),
         Case("token order first: token 0's second choice comes before token 1's first",
@@ -165,7 +231,7 @@ register(
     ], compare=exact(),
         description="each routing choice's slot in its expert's buffer (token order, then choice order), "
                     "-1 once the expert holds `capacity` choices"),
-    Exercise("ring_attention_step", "08", 20, "llmso_lab.parallel.ring:ring_attention_step", [
+    Exercise("ring_attention_step", "08", 15, "llmso_lab.parallel.ring:ring_attention_step", [
         Case("first step (o = 0, lse = -inf), a block entirely in the past: every key visible",
              ring_inputs(2, 8, range(8, 12), range(0, 4), seed=3)),
         Case("the diagonal block after an earlier one: query i sees the block's keys up to its own position",
