@@ -133,3 +133,30 @@ def test_bad_input_is_refused_before_any_process_starts(model):
         DisaggregatedLLM(model, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="batching='continuous'"):
         DisaggregatedLLM(model, batching="static")
+
+
+def test_handoff_in_one_process_with_the_receiving_side_given():
+    """`disagg.handoff.run_receiver` (Lab 09's harness): reserve on a decode engine, prefill elsewhere, hand each layer
+    to the receiver, decode. With `worker.write_received_kv` every decode equals the colocated engine's tokens, a
+    shared prefix is not sent (cached_tokens), blocks all come back; a receiver that ignores the block table or the
+    cached prefix breaks exactly the requests that need them."""
+    from llmso_lab.disagg.handoff import run_receiver
+    from llmso_lab.disagg.worker import write_received_kv
+
+    a = list(range(3, 15))
+    b, c = a[:8] + list(range(100, 110)), list(range(50, 57))
+    res = run_receiver(write_received_kv, [a, b], 8, sequential=True)
+    assert res["equal_colocated"] == [True, True] and res["cached_tokens"] == [0, 8] and res["blocks_free_after"]
+    assert res["bytes_written"] == 2 * 2 * 2 * 16 * 4 * (12 + 18 - 8)   # K+V x layers x Hkv x D x fp32 x tokens sent
+    res = run_receiver(write_received_kv, [a, b, c], 6, reverse_layers=True)
+    assert res["equal_colocated"] == [True] * 3 and res["cached_tokens"] == [0, 0, 0]
+
+    def identity_blocks(caches, layer, payload, block_table, block_size, start):   # logical block = physical block
+        for cache, rows in zip(caches, payload):
+            cache[layer].view(-1, *cache.shape[-2:])[start:start + rows.shape[0]] = rows
+
+    def from_zero(caches, layer, payload, block_table, block_size, start):   # overwrites the shared prefix
+        write_received_kv(caches, layer, payload, block_table, block_size, 0)
+
+    assert run_receiver(identity_blocks, [a, b, c], 6)["equal_colocated"] == [True, False, False]
+    assert run_receiver(from_zero, [a, b], 8, sequential=True)["equal_colocated"] == [True, False]

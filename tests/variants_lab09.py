@@ -2,6 +2,26 @@
 from __future__ import annotations
 
 
+RECV = """\
+def write_received_kv(caches, layer, payload, block_table, block_size, start):
+    n = payload.shape[1]
+    positions = torch.arange(start, start + n)
+    blocks = torch.tensor(block_table, dtype=torch.long)[positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    for cache, rows in zip(caches, payload):
+        cache[layer].view(-1, *cache.shape[-2:]).index_copy_(0, slots, rows)
+"""
+# correct but different: token by token, through the [num_blocks, block_size] indices of the cache
+RECV_LOOP = """\
+def write_received_kv(caches, layer, payload, block_table, block_size, start):
+    for t in range(payload.shape[1]):
+        p = start + t
+        block, offset = block_table[p // block_size], p % block_size
+        for which, cache in enumerate(caches):
+            cache[layer, block, offset] = payload[which, t]
+"""
+
+
 VARIANTS: dict[str, dict[str, list[str]]] = {
     "lab09/kv_transfer_bytes": {
         "wrong": ['def kv_transfer_bytes(config, num_prompt_tokens, num_cached_tokens=0, dtype_bytes=2):\n'
@@ -191,5 +211,13 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    i, queued = ranked[0]\n"
                   "    limit = float('inf') if max_prefill_queue_tokens is None else max_prefill_queue_tokens\n"
                   "    return i if queued < limit else -1\n"],
+    },
+    "lab09/write_received_kv": {
+        "wrong": [RECV.replace("blocks = torch.tensor(block_table, dtype=torch.long)[positions // block_size]",
+                               "blocks = positions // block_size   # logical block = physical block"),
+                  RECV.replace("positions = torch.arange(start, start + n)", "positions = torch.arange(n)   # ignores start"),
+                  RECV.replace("for cache, rows in zip(caches, payload):", "for cache, rows in zip(caches, payload.flip(0)):  # K <-> V"),
+                  RECV.replace("cache[layer].view", "cache[min(layer + 1, cache.shape[0] - 1)].view")],   # off by one layer
+        "right": [RECV, RECV_LOOP],
     },
 }

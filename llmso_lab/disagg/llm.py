@@ -168,14 +168,18 @@ class DisaggregatedLLM:
             self.workers.send(p, ("prefill", job))
         elif kind == "first":           # prefill done: the first token (and its random state) goes to the decode
             rec.update(prefill_start=info["prefill_start"], forward_start=info["forward_start"],
-                       prefill_end=info["prefill_end"], layer_done=info["layer_done"])
+                       prefill_end=info["prefill_end"], layer_done=info["layer_done"],
+                       forward_thread_cpu=info["forward_thread_cpu"], forward_process_cpu=info["forward_process_cpu"],
+                       layer_cpu=info["layer_cpu"])
             p = state.prefill_of[index]
             state.prefill_tokens[p] -= len(jobs[index][0].prompt_token_ids) - rec.get("num_cached_tokens", 0)
             self.workers.send(self.num_prefill + state.decode_of[index], ("first_token", (index, info)))
         elif kind == "sent":
-            rec.update(bytes_sent=info["bytes"], send_spans=info["spans"])
+            rec.update(bytes_sent=info["bytes"], send_spans=[span[:2] for span in info["spans"]],
+                       send_call_s=[span[2] for span in info["spans"]], send_cpu_s=[span[3] for span in info["spans"]])
         elif kind == "arrived":
             rec.update(bytes_received=info["bytes"], recv_end=info["recv_end"], ready=info["ready"],
+                       first_arrival=info["first_arrival"],
                        layer_recv=info["layer_recv"])
         elif kind == "failed":
             raise RequestFailedError(f"request {index} failed: {info}. Its KV blocks were freed on both sides and the "
@@ -241,7 +245,12 @@ class DisaggregatedLLM:
 
     def request_records(self) -> dict[int, dict]:
         """Per request: arrival, prefill start/end, per-layer compute ends and send spans, bytes sent and received,
-        KV ready on the decode side, token times (perf_counter seconds, one clock for all processes)."""
+        KV ready on the decode side, token times (perf_counter seconds, one clock for all processes). For the
+        breakdowns: `forward_thread_cpu` / `forward_process_cpu` (CPU seconds of the prefill worker's main thread /
+        whole process during the forward), `layer_cpu` (the main thread's CPU seconds since the forward started, at
+        each layer's end), `send_call_s` / `send_cpu_s` (per layer: wall and sender-thread CPU
+        seconds of its two `dist.send` calls, the link delay excluded), `first_arrival` (the first token reached the
+        decode worker through the router)."""
         return self.records
 
     def stats(self) -> dict:

@@ -51,6 +51,19 @@ def slots_of(block_table: list[int], block_size: int, start: int, stop: int) -> 
                         dtype=torch.int64)
 
 
+def write_received_kv(caches: list[Tensor], layer: int, payload: Tensor, block_table: list[int], block_size: int,
+                      start: int) -> None:
+    """The receiving side of a layer-wise KV transfer: write one layer's rows into the blocks reserved for them.
+
+    caches: the decode engine's cache tensors (K and V), each [num_layers, num_blocks, block_size, Hkv, D];
+    payload [len(caches), n, Hkv, D]: layer `layer`'s K and V rows of token positions start .. start + n - 1
+    (positions before `start` are the decode side's cached prefix: not sent, not touched); block_table: the
+    sequence's physical block ids (position p lives in block block_table[p // block_size], row p % block_size)."""
+    slots = slots_of(block_table, block_size, start, start + payload.shape[1])
+    for c, rows in zip(caches, payload):
+        c[layer].view(-1, *c.shape[-2:]).index_copy_(0, slots, rows)
+
+
 def _caches(runner) -> list[Tensor]:
     """The per-layer cache tensors a transfer carries: K and V, or MLA's one latent cache."""
     return runner.kv_store.transfer_tensors()
@@ -113,6 +126,7 @@ class PrefillEngine(ShippingEngine):
         self.exporting: list[tuple[Sequence, Job, Tensor]] = []
         self.held: list[tuple[Job, int, Tensor]] = []   # layerwise=False: payloads kept until the forward ends
         self.layer_times: list[float] = []
+        self.layer_cpu: list[float] = []                # the main thread's CPU clock at each layer's end
         self.fail_after_layers: int | None = None       # fault injection (tests): the next transfer breaks after k layers
         self.spans: dict[int, list] = {}                # request index -> (start, end) of each layer's send
         self.sent: dict[int, int] = {}                  # request index -> bytes sent
@@ -130,20 +144,23 @@ class PrefillEngine(ShippingEngine):
 
     # ---- this engine's hooks in the loop (`Hooks`, one of its `features`) ------------------------------------
     t0 = 0.0
+    cpu0 = (0.0, 0.0)
 
     def _plan_export(self, out: SchedulerOutput) -> None:
         """The prompts whose last chunk is computed this step export their KV: a hook after each layer."""
         done = [item.seq for item in out.scheduled if item.sample and item.seq.is_prefill]
         self.exporting = [(s, job, slots_of(s.block_table, self.config.block_size, job.num_skip_tokens, s.num_prompt_tokens))
                           for s in done for job in [self.jobs[s.request_id]]]
-        self.layer_times = []
+        self.layer_times, self.layer_cpu = [], []
         self.model_runner.kv_hook = self._on_layer if self.exporting else None
         self.t0 = time.perf_counter()
+        self.cpu0 = (time.thread_time(), time.process_time())   # CPU seconds: this (main) thread, the whole process
 
     def _send_firsts(self, now: float) -> None:
         """After the step: retire the finished prompts at once and tell the driver their first tokens."""
         self.model_runner.kv_hook = None
         t1 = time.perf_counter()
+        thread_cpu, process_cpu = time.thread_time() - self.cpu0[0], time.process_time() - self.cpu0[1]
         self.retire_finished()   # prompts done: their blocks go back now, not next step
         for job, layer, payload in self.held:   # whole-cache mode: everything is sent now
             self.outbox.put((job, layer, payload, DATA))
@@ -152,12 +169,16 @@ class PrefillEngine(ShippingEngine):
             self.pipe.send(("first", job.index, {
                 "token": seq.token_ids[-1], "generator_state": seq.generator.get_state(),
                 "prefill_start": seq.first_scheduled_time, "forward_start": self.t0, "prefill_end": t1,
-                "layer_done": list(self.layer_times), "num_prompt_tokens": seq.num_prompt_tokens}))
+                "layer_done": list(self.layer_times), "num_prompt_tokens": seq.num_prompt_tokens,
+                # where the forward's wall time went: the main thread's CPU, the other threads' (sender, gloo)
+                "forward_thread_cpu": thread_cpu, "forward_process_cpu": process_cpu,
+                "layer_cpu": [c - self.cpu0[0] for c in self.layer_cpu]}))
             del self.jobs[seq.request_id]
         self.exporting = []
 
     def _on_layer(self, layer: int) -> None:
         self.layer_times.append(time.perf_counter())
+        self.layer_cpu.append(time.thread_time())
         for seq, job, slots in self.exporting:
             payload = torch.stack([c[layer].view(-1, *c.shape[-2:]).index_select(0, slots) for c in _caches(self.model_runner)])
             if self.layerwise:
@@ -191,9 +212,12 @@ class PrefillEngine(ShippingEngine):
         nbytes = payload.numel() * payload.element_size()
         start = time.perf_counter()
         time.sleep(self.link.delay(nbytes))
+        sent, cpu = time.perf_counter(), time.thread_time()
         dist.send(torch.tensor([job.index, layer, payload.shape[1], DATA]), job.decode_rank)
         dist.send(payload.contiguous(), job.decode_rank)
-        self.spans.setdefault(job.index, []).append((start, time.perf_counter()))
+        end = time.perf_counter()
+        # (start, end, the two dist.send calls' wall time, the sender thread's CPU seconds in them)
+        self.spans.setdefault(job.index, []).append((start, end, end - sent, time.thread_time() - cpu))
         self.sent[job.index] = self.sent.get(job.index, 0) + nbytes
         if layer == L - 1:
             self.pipe.send(("sent", job.index, {"bytes": self.sent.pop(job.index), "spans": self.spans.pop(job.index)}))
@@ -209,9 +233,10 @@ class PrefillEngine(ShippingEngine):
 @dataclass(slots=True)
 class Incoming:
     seq: Sequence
-    slots: Tensor               # cache slots of the tokens that will arrive
+    start: int                  # the first position that will arrive (before it: the decode side's cached prefix)
     layers: int = 0             # layers received
     first: dict | None = None   # the first token and the prefill's timings
+    first_arrival: float = 0.0  # when the first token reached this worker (through the driver)
     bytes: int = 0
     recv_end: float = 0.0
     aborted: bool = False
@@ -245,7 +270,7 @@ class DecodeEngine(ShippingEngine):
         self.num_requests += 1
         self.model_runner.copy_blocks(bm.allocate(seq, n - cached.num_tokens, cached))
         with self.lock:
-            self.incoming[job.index] = Incoming(seq, slots_of(seq.block_table, self.config.block_size, cached.num_tokens, n))
+            self.incoming[job.index] = Incoming(seq, cached.num_tokens)
         self.index_of[seq.request_id] = job.index
         return cached.num_tokens
 
@@ -273,7 +298,7 @@ class DecodeEngine(ShippingEngine):
             inc = self.incoming.get(index)
             if inc is None:
                 return
-            inc.first = info
+            inc.first, inc.first_arrival = info, time.perf_counter()
             if inc.layers == self.model_runner.num_layers:
                 self.ready.put(index)
 
@@ -285,7 +310,7 @@ class DecodeEngine(ShippingEngine):
 
     def _receive(self, src: int) -> None:
         runner = self.model_runner
-        caches, L = _caches(runner), runner.num_layers
+        caches = _caches(runner)
         shape = (len(caches), runner.num_kv_heads, runner.head_dim)
         while True:
             header = torch.empty(4, dtype=torch.int64)
@@ -302,18 +327,26 @@ class DecodeEngine(ShippingEngine):
                 continue
             payload = torch.empty(shape[0], tokens, *shape[1:], dtype=runner.dtype)
             dist.recv(payload, src)
-            if inc is None:   # cancelled meanwhile: drop it
-                continue
-            for c, rows in zip(caches, payload):
-                c[layer].view(-1, *c.shape[-2:]).index_copy_(0, inc.slots, rows)
-            with self.lock:
-                inc.layers += 1
-                inc.bytes += payload.numel() * payload.element_size()
-                self.kv_bytes_received += payload.numel() * payload.element_size()
-                inc.recv_end = time.perf_counter()
-                inc.layer_recv.append(inc.recv_end)
-                if inc.layers == L and inc.first is not None:
-                    self.ready.put(index)
+            self.accept_layer(index, layer, payload)
+
+    def accept_layer(self, index: int, layer: int, payload: Tensor, write=None) -> None:
+        """Layer `layer`'s KV rows of request `index` have arrived: write them into its reserved blocks
+        (`write_received_kv`, or `write` with its signature: Lab 09's exercise) and count the layer; with every
+        layer and the first token here, the request is ready to join the batch."""
+        with self.lock:
+            inc = self.incoming.get(index)
+        if inc is None:   # cancelled meanwhile: drop it
+            return
+        (write or write_received_kv)(_caches(self.model_runner), layer, payload, inc.seq.block_table,
+                                     self.config.block_size, inc.start)
+        with self.lock:
+            inc.layers += 1
+            inc.bytes += payload.numel() * payload.element_size()
+            self.kv_bytes_received += payload.numel() * payload.element_size()
+            inc.recv_end = time.perf_counter()
+            inc.layer_recv.append(inc.recv_end)
+            if inc.layers == self.model_runner.num_layers and inc.first is not None:
+                self.ready.put(index)
 
     def activate_ready(self, pipe: Pipe) -> None:
         """Sequences whose KV and first token are all here join the running batch as decodes."""
@@ -343,6 +376,7 @@ class DecodeEngine(ShippingEngine):
             self.scheduler.append_token(seq, inc.first["token"], now)
             self.num_generated_tokens += 1
             pipe.send(("arrived", index, {"bytes": inc.bytes, "recv_end": inc.recv_end, "ready": now,
+                                          "first_arrival": inc.first_arrival,
                                           "layer_recv": inc.layer_recv, "num_cached_tokens": seq.num_cached_tokens}))
 
     def retry_reservations(self, pipe: Pipe) -> None:

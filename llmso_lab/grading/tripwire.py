@@ -316,6 +316,10 @@ class LibraryGuard:
         for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
             importlib.import_module(info.name)
         resolve(self.harness)
+        try:   # importing a Hugging Face model module rebinds torch.manual_seed: do it before the snapshot, not during a case
+            importlib.import_module("transformers.models.llama.modeling_llama")
+        except ImportError:
+            pass
         import torch
         import torch.distributed
         import torch.nn.functional

@@ -10,7 +10,13 @@ DEEPSEEK_V2_LITE = {"num_hidden_layers": 27, "num_attention_heads": 16, "num_key
                     "kv_lora_rank": 512, "qk_rope_head_dim": 64}
 GPT2_LIKE = {"num_hidden_layers": 12, "num_attention_heads": 12, "hidden_size": 768}
 
+_D = [(13 * i + 7) % 240 + 3 for i in range(21)]
+
 hidden("09", {
+    "write_received_kv": [
+        (([_D, _D[:16] + [9, 9, 9]], 6, True, False, 8), {}),   # block size 8: 2 cached blocks of 8, start 16
+        (([list(range(20, 25)), _D, [4, 5]], 7, False, True), {}),
+    ],
     "kv_transfer_bytes": [((QWEN25_7B, 3000, 1000), {}), ((FALCON_7B_LIKE, 777), {"dtype_bytes": 4}),
                           ((DEEPSEEK_V2_LITE, 2048, 512), {}), ((DEEPSEEK_V3, 32768), {"dtype_bytes": 1}),
                           ((GPT2_LIKE, 1), {}), ((GEMMA2_9B, 4096, 4095), {}),

@@ -1,9 +1,12 @@
 """Lab 09 (prefill-decode disaggregation) exercises and their public checks.
 
-References: `llmso_lab.disagg.transfer:kv_transfer_bytes` (the KV bytes a prefill worker sends for one request),
+References: `llmso_lab.disagg.worker:write_received_kv` (the decode side of a layer-wise KV transfer: one layer's rows
+written into the reserved blocks through the block table; graded by running a prefill -> decode handoff with it,
+`disagg.handoff.run_receiver`, whose decode must equal the colocated engine's tokens),
+`llmso_lab.disagg.transfer:kv_transfer_bytes` (the KV bytes a prefill worker sends for one request),
 `llmso_lab.disagg.transfer:exposed_transfer_time` (how much of the transfer the decode side waits for, layer-wise
 or whole), `llmso_lab.sim.disagg:best_pd_ratio` (prefill : decode instances) and `llmso_lab.disagg.router:pd_route`
-(remote or local prefill, and to which worker). All pure arithmetic on plain numbers, lists and config dicts.
+(remote or local prefill, and to which worker): plain numbers, lists and config dicts.
 """
 from llmso_lab.grading.compare import close, exact
 from llmso_lab.grading.registry import Case, Exercise, register
@@ -24,9 +27,14 @@ QWEN3_4B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_h
             "head_dim": 128}   # head_dim 128, not 2560 / 32 = 80
 
 MS = 1e-3
+WORKER = "llmso_lab.disagg.worker"
+A12 = list(range(3, 15))                       # prompts (token ids) for the handoff harness
+B18 = A12[:8] + list(range(100, 110))          # shares its first 8 tokens (2 blocks of 4) with A12
+C7 = list(range(50, 57))
+P40 = [(11 * i + 5) % 250 + 3 for i in range(40)]
 
 register(
-    Exercise("kv_transfer_bytes", "09", 15, "llmso_lab.disagg.transfer:kv_transfer_bytes", [
+    Exercise("kv_transfer_bytes", "09", 10, "llmso_lab.disagg.transfer:kv_transfer_bytes", [
         Case("SmolLM2-135M, 1000-token prompt: 2 x 30 layers x 3 KV heads x 64 (576 / 9) x 2 B = 23,040 B per token",
              (SMOLLM2, 1000)),
         Case("Llama-3-70B, one token: 2 x 80 x 8 KV heads x 128 x 2 B = 327,680 B", (LLAMA3_70B, 1)),
@@ -48,7 +56,7 @@ register(
     ], compare=exact(), tripwires=KV_CONFIG_CODE,
         description="KV bytes of the prompt tokens the decode worker does not hold yet, for an HF config "
                     "(MHA/GQA/MQA: 2 x layers x kv_heads x head_dim; MLA: layers x (kv_lora_rank + qk_rope_head_dim))"),
-    Exercise("exposed_transfer_time", "09", 30, "llmso_lab.disagg.transfer:exposed_transfer_time", [
+    Exercise("exposed_transfer_time", "09", 15, "llmso_lab.disagg.transfer:exposed_transfer_time", [
         Case("4 layers of 1 ms, each layer's KV takes 0.5 ms: the link keeps up, only the last layer's transfer "
              "is exposed", ([MS] * 4, [0.5 * MS] * 4)),
         Case("4 layers of 1 ms, 2 ms per layer on the link: a backlog builds up (the link is busy from 1 ms to 9 ms)",
@@ -65,7 +73,7 @@ register(
     ], compare=seconds, tripwires=("llmso_lab.disagg.transfer:transfer_timeline",),
         description="seconds the decode worker waits after the prefill's last layer for the rest of the KV "
                     "(one link, one layer at a time, in layer order)"),
-    Exercise("best_pd_ratio", "09", 25, "llmso_lab.sim.disagg:best_pd_ratio", [
+    Exercise("best_pd_ratio", "09", 10, "llmso_lab.sim.disagg:best_pd_ratio", [
         Case("the lecture's long prompts: 8 instances, input 4000 / output 100, prefill 20,000 tok/s, "
              "decode 2,000 tok/s (5 vs 20 requests/s per instance)", (8, 4000, 100, 20000.0, 2000.0)),
         Case("the lecture's long answers: 32 instances, input 200 / output 2000, prefill 8,000 tok/s, "
@@ -79,7 +87,7 @@ register(
     ], compare=exact(), tripwires=("llmso_lab.sim.disagg:pd_capacity",),
         description="(prefill, decode) instances out of a total that serve the most requests per second: "
                     "min(x * prefill_tok_s / input_len, y * decode_tok_s / output_len); fewest prefill on a tie"),
-    Exercise("pd_route", "09", 30, "llmso_lab.disagg.router:pd_route", [
+    Exercise("pd_route", "09", 25, "llmso_lab.disagg.router:pd_route", [
         Case("a 100-token prompt, local limit 256: prefilled by the decode worker itself (-1)",
              (100, 0, [0, 500]), {"max_local_prefill_tokens": 256}),
         Case("a 4000-token prompt: remote, to the prefill worker with the fewest queued tokens",
@@ -99,4 +107,17 @@ register(
     ], compare=exact(),
         description="the prefill worker for a request (least-loaded, lowest index on ties) or -1 (local) when the "
                     "uncached tokens are few or every prefill queue is full"),
+    Exercise("write_received_kv", "09", 40, f"{WORKER}:write_received_kv", [
+        Case("three prompts reserved at once (each in its own, non-contiguous blocks), transferred last first: every "
+             "decode equals the colocated engine's tokens", ([A12, B18, C7], 10)),
+        Case("a prompt sharing 8 tokens with an earlier one: the decode side's prefix cache holds 2 blocks, only "
+             "positions 8.. arrive (start = 8) and the cached blocks stay untouched", ([A12, B18], 8, True)),
+        Case("layers arrive last first: each layer's rows go to that layer's cache", ([A12, C7], 6, False, True)),
+        Case("block size 16, one 40-token prompt (3 blocks, the last one partly filled)", ([P40], 6, False, False, 16)),
+        Case("a one-token prompt and a 7-token one", ([[7], C7], 5)),
+    ], compare=exact(), harness="llmso_lab.disagg.handoff:run_receiver", timeout_s=120,
+        tripwires=(f"{WORKER}:slots_of", f"{WORKER}:DecodeEngine._receive"),
+        description="the receiving side of a layer-wise KV transfer: one layer's K/V rows of positions start.. "
+                    "written into the decode engine's reserved blocks through the block table; graded by running "
+                    "prefill -> decode handoffs whose decodes must equal the colocated engine's tokens"),
 )
