@@ -129,3 +129,96 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    return kept, freed\n"],
     },
 }
+
+
+# ---- PromptLookupDrafter (graded by running the engine with the class: spec.harness.run_drafter) ----
+_DRAFTER_HEAD = ("from llmso_lab.spec.drafters import Drafter\n"
+                 "class PromptLookupDrafter(Drafter):\n"
+                 "    def __init__(self, n_min=2, n_max=4):\n"
+                 "        self.n_min, self.n_max = n_min, n_max\n"
+                 "        self.first, self.indexed = {}, {}\n"
+                 "    def forget(self, seq_id):\n"
+                 "        self.first.pop(seq_id, None)\n"
+                 "        self.indexed.pop(seq_id, None)\n")
+
+
+def _scan(order: str, pad: bool = False, mutate: bool = False) -> str:
+    """A stateless drafter that scans the sequence each step (`order`: the range of start positions tried)."""
+    return (_DRAFTER_HEAD +
+            "    def propose(self, items):\n"
+            "        out = []\n"
+            "        for item in items:\n"
+            "            t, k, draft = list(item.seq.token_ids), item.num_lookahead, []\n"
+            "            L = len(t)\n"
+            "            for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):\n"
+            f"                for i in {order}:\n"
+            "                    if t[i:i + n] == t[L - n:]:\n"
+            "                        draft = t[i + n:i + n + k]\n"
+            "                        break\n"
+            "                if draft:\n"
+            "                    break\n"
+            + ("            if draft:\n"
+               "                draft = draft + [draft[-1]] * (k - len(draft))  # fill every reserved slot\n" if pad else "")
+            + ("            item.seq.token_ids.extend(draft)  # 'tentatively append' the drafts\n" if mutate else "")
+            + "            out.append((draft, None))\n"
+            "        return out\n")
+
+
+def _index(newest_only: bool = False, shared: bool = False) -> str:
+    """The incremental index; `newest_only`: indexes one new n-gram end per step (as if each step added one token);
+    `shared`: one index for all sequences."""
+    key = "0" if shared else "item.seq.seq_id"
+    ends = ("[L - 2] if sid in self.indexed else range(L - 1)" if newest_only
+            else "range(max(self.indexed.get(sid, 0) - 1, 0), L - 1)")
+    return (_DRAFTER_HEAD +
+            "    def propose(self, items):\n"
+            "        out = []\n"
+            "        for item in items:\n"
+            f"            sid, t = {key}, item.seq.token_ids\n"
+            "            first, L = self.first.setdefault(sid, {}), len(t)\n"
+            f"            for end in ({ends}):\n"
+            "                for n in range(self.n_min, min(self.n_max, end + 1) + 1):\n"
+            "                    first.setdefault(tuple(t[end - n + 1:end + 1]), end - n + 1)\n"
+            "            self.indexed[sid] = L\n"
+            "            draft = []\n"
+            "            for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):\n"
+            "                i = first.get(tuple(t[L - n:]))\n"
+            "                if i is not None:\n"
+            "                    draft = list(t[i + n:i + n + item.num_lookahead])\n"
+            "                    break\n"
+            "            out.append((draft, None))\n"
+            "        return out\n")
+
+
+_BY_LENGTH = (_DRAFTER_HEAD +   # right: per n its own dict, positions kept as lists, the first one used
+              "    def propose(self, items):\n"
+              "        res = []\n"
+              "        for item in items:\n"
+              "            s = item.seq\n"
+              "            tabs = self.first.setdefault(s.seq_id, {n: {} for n in range(self.n_min, self.n_max + 1)})\n"
+              "            t = s.token_ids\n"
+              "            start = self.indexed.get(s.seq_id, 0)\n"
+              "            for n, tab in tabs.items():\n"
+              "                for i in range(max(start - n, 0), len(t) - n):\n"
+              "                    tab.setdefault(tuple(t[i:i + n]), []).append(i)\n"
+              "            self.indexed[s.seq_id] = len(t)\n"
+              "            draft = []\n"
+              "            for n in sorted(tabs, reverse=True):\n"
+              "                if n >= len(t):\n"
+              "                    continue\n"
+              "                hits = tabs[n].get(tuple(t[-n:]))\n"
+              "                if hits:\n"
+              "                    draft = t[hits[0] + n:hits[0] + n + item.num_lookahead]\n"
+              "                    break\n"
+              "            res.append((list(draft), None))\n"
+              "        return res\n")
+
+VARIANTS["lab07/PromptLookupDrafter"] = {
+    "wrong": [_scan("range(L - n - 1, -1, -1)"),   # the latest occurrence instead of the earliest
+              _index(newest_only=True),            # forgets that a step can append several tokens
+              _scan("range(L - n)", pad=True),     # proposes k tokens past what the match supports
+              _scan("range(L - n)", mutate=True),  # writes the drafts into the sequence's tokens
+              _index(shared=True)],                # one index for every sequence in the batch
+    "right": [_scan("range(L - n)"),               # a scan per step instead of an index: slower, same drafts
+              _BY_LENGTH],
+}

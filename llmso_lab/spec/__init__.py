@@ -3,6 +3,9 @@
 - verify: `target_probs` (the sampler's distribution), `speculative_verify` (one request, its own generator),
   `greedy_verify` (temperature 0), the batched torch reference `verify_batch_reference` and the dispatcher
   `verify_batch`, and the closed forms `expected_tokens_per_step` and `speculative_speedup`.
+- drafters: what proposes the tokens (`Drafter`; n-gram prompt lookup with a per-sequence index, a draft model,
+  Medusa, EAGLE); `speculative_config={"method": "custom", "drafter": ...}` plugs in one written elsewhere, and
+  `harness.run_drafter` runs one in the engine against plain decoding (how Lab 07 grades a student's drafter).
 - triton_verify: `verify_batch_triton`, the batched verification as one Triton kernel (bit-exact with the
   reference; on CPU it runs under the Triton interpreter: set TRITON_INTERPRET=1 before triton is imported).
 """

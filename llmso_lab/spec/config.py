@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle")
+SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle", "custom")
 
 
 @dataclass(slots=True)
@@ -14,7 +14,9 @@ class SpeculativeConfig:
     - "draft_model": a small model with the target's tokenizer, `model` (a registry name or a Hugging Face model),
       optionally weight-quantized (`quantization`, as `LLM(quantization=...)`: "int4" makes the target itself a draft);
     - "medusa" / "eagle": draft heads on the target's hidden state, loaded from `model` (a path; None: the
-      project's trained heads for SmolLM2 in data/spec/).
+      project's trained heads for SmolLM2 in data/spec/);
+    - "custom": `drafter`, any object with the `spec.drafters.Drafter` methods (at least `propose`), e.g. a lab's
+      own drafter: the seam a drafter written outside the library plugs into.
     `num_speculative_tokens` (k) drafts are verified per step in one forward of the target."""
 
     method: str
@@ -23,6 +25,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: Any = None
     quantization: str | None = None
+    drafter: Any = None
 
     @classmethod
     def from_dict(cls, d: dict | SpeculativeConfig) -> SpeculativeConfig:
@@ -31,7 +34,7 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', 'num_speculative_tokens': 4}}, "
                              f"got {type(d).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "quantization", "drafter"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; valid: {sorted(known)}")
@@ -52,3 +55,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and self.model is None:
             raise ValueError("method 'draft_model' needs 'model': a registry name (e.g. 'smollm2-135m' with "
                              "'quantization': 'int4') or a Hugging Face model sharing the target's tokenizer")
+        if (self.method == "custom") != (self.drafter is not None):
+            raise ValueError("'drafter' goes with method 'custom' and method 'custom' needs 'drafter' (an object with "
+                             "a propose(items) method, see llmso_lab.spec.drafters.Drafter)")
+        if self.drafter is not None and not callable(getattr(self.drafter, "propose", None)):
+            raise ValueError(f"the drafter {type(self.drafter).__name__} has no propose(items) method "
+                             "(see llmso_lab.spec.drafters.Drafter)")

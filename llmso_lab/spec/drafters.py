@@ -6,7 +6,8 @@ where an item (`ScheduledSeq`) is a decoding sequence with `num_lookahead` KV sl
 token; a drafter may propose fewer tokens (s <= num_lookahead), or none. Probabilities None mean one-hot drafts
 (the drafter is certain, q(d) = 1), which is what greedy drafting and n-gram lookup give.
 
-- `NgramDrafter`: prompt lookup in the sequence's own tokens (`ngram.ngram_propose`).
+- `NgramDrafter`: prompt lookup in the sequence's own tokens (`ngram.ngram_propose`'s rule, with an index per
+  sequence that grows with it instead of a scan per step).
 - `DraftModelDrafter`: a smaller model with the same tokenizer runs k steps ahead. It runs in the engine's own
   model runner, with its own paged KV cache indexed by the *same* block tables as the target's (vLLM does the
   same): the draft's K/V for a token lives in the slot where the target keeps its own. It catches up on the tokens
@@ -48,11 +49,40 @@ class Drafter:
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, spec: SpeculativeConfig) -> None:
-        self.n_min, self.n_max = spec.prompt_lookup_min, spec.prompt_lookup_max
+    """Prompt lookup (`ngram.ngram_propose`'s rule: the longest n from n_max down to n_min, the earliest
+    occurrence) without scanning the sequence each step: per sequence, an index from every n-gram that has a token
+    after it to where it first started, extended by the tokens appended since the last step. A step costs
+    O(new tokens x n-gram sizes) instead of O(sequence length x n), so the draft stays cheap at long contexts
+    (vLLM's n-gram proposer uses a KMP scan compiled with numba for the same reason)."""
+
+    def __init__(self, n_min: int = 2, n_max: int = 4) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max (n-gram sizes), got {n_min} and {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.index: dict[int, tuple[dict[tuple[int, ...], int], list[int]]] = {}   # seq_id -> (first starts, [indexed])
 
     def propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
-        return [(ngram_propose(item.seq.token_ids, item.num_lookahead, self.n_min, self.n_max), None) for item in items]
+        return [(self.lookup(item.seq.seq_id, item.seq.token_ids, item.num_lookahead), None) for item in items]
+
+    def lookup(self, key: int, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens for the sequence `key` whose tokens are now `token_ids` (the earlier ones unchanged)."""
+        first, indexed = self.index.setdefault(key, ({}, [0]))
+        length = len(token_ids)
+        # an n-gram can be proposed from once a token follows it: index those ending at indexed - 1 .. length - 2
+        for end in range(max(indexed[0] - 1, 0), length - 1):
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                first.setdefault(tuple(token_ids[end - n + 1:end + 1]), end - n + 1)   # the earliest start stays
+        indexed[0] = length
+        if k < 1:
+            return []
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            start = first.get(tuple(token_ids[length - n:]))
+            if start is not None:
+                return list(token_ids[start + n:start + n + k])
+        return []
+
+    def forget(self, seq_id: int) -> None:
+        self.index.pop(seq_id, None)
 
 
 def draw(logits: Tensor, params, generator: torch.Generator | None) -> tuple[int, Tensor | None]:
@@ -247,8 +277,13 @@ class EagleDrafter(Drafter):
 
 def make_drafter(spec: SpeculativeConfig, config: EngineConfig, target, runner):
     """The drafter for `spec.method`, for the target model `target` run by `runner`."""
+    if spec.method == "custom":
+        if not isinstance(spec.drafter, Drafter):
+            raise ValueError(f"speculative_config 'drafter' must be a llmso_lab.spec.drafters.Drafter (subclass it and "
+                             f"override propose), got {type(spec.drafter).__name__}")
+        return spec.drafter
     if spec.method == "ngram":
-        return NgramDrafter(spec)
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "draft_model":
         return DraftModelDrafter(spec, config, runner.vocab_size)
     if spec.method == "medusa":
