@@ -211,3 +211,29 @@ def test_triton_backend_reads_the_same_evicted_cache():
     (out,), (chunks,), held, _ = run(llm, [prompt], 6)
     assert chunks == [12, 10] and held <= SINK + WINDOW + 1 and llm.stats()["kv_evicted_blocks"] >= 2
     assert out == masked_reference(prompt, 6, chunks)
+
+
+def test_a_policy_class_plugs_into_the_growth_seam():
+    """`kv_eviction={"policy": cls}` swaps the class that applies the rule: the library policy through that seam gives
+    the built-in engine's tokens and decisions; a policy that never evicts holds more blocks than the rule allows and
+    its tokens differ (so Lab 10's harness can tell); a class without cap() is refused."""
+    from llmso_lab.kv.streaming import StreamingEvictionPolicy, run_policy_in_engine
+
+    prompt = [(7 * i + 3) % 250 + 3 for i in range(30)]
+    built_in = engine(num_kv_blocks=6, max_num_batched_tokens=12)
+    (want,), _, _, _ = run(built_in, [prompt], 12)
+    got = run_policy_in_engine(StreamingEvictionPolicy, [prompt], 12, 1, 3, num_kv_blocks=6, max_num_batched_tokens=12)
+    assert got["tokens"] == [want] and got["most_blocks_held"] == SINK + WINDOW + 1 and got["blocks_free_after"]
+    assert got["kv_evicted_blocks"] == built_in.stats()["kv_evicted_blocks"] > 0
+    # every cap call: what was asked, what was granted, and the blocks held never exceed the rule's after the step
+    assert all(granted <= asked and held <= SINK + WINDOW + 1 for _, _, asked, granted, _, held in got["caps"])
+
+    class Hoarder(StreamingEvictionPolicy):   # caps the chunks but never drops a block
+        def cap(self, seq, n):
+            return min(n, max_chunk_tokens(seq.num_computed_tokens, self.block_size, self.ev))
+
+    hoard = run_policy_in_engine(Hoarder, [prompt], 12, 1, 3, num_kv_blocks=16, max_num_batched_tokens=12)
+    assert hoard["kv_evicted_blocks"] == 0 and hoard["most_blocks_held"] > SINK + WINDOW + 1
+    assert hoard["tokens"] != got["tokens"]
+    with pytest.raises(ValueError, match="policy must be a class with a cap"):
+        engine(kv_eviction={**EVICT, "policy": object})

@@ -135,7 +135,8 @@ def test_pyramid_cases_match_exact_arithmetic_and_ties_are_exact_in_floats():
         assert gap is None or gap > Fraction(1, 10**6) or flat[0] or L == 2, case.label
 
 
-@pytest.mark.parametrize("name", ["kivi_fake_quantize", "streaming_keep", "h2o_keep", "snapkv_keep", "pyramid_budgets"])
+@pytest.mark.parametrize("name", ["kivi_fake_quantize", "streaming_keep", "h2o_keep", "snapkv_keep", "pyramid_budgets",
+                                  "StreamingEvictionPolicy", "cacheblend_select"])
 def test_lab10_exercise_is_registered_with_public_and_hidden_cases(name):
     ex = get_exercise(f"lab10/{name}")
     assert any(not c.hidden for c in ex.cases) and any(c.hidden for c in ex.cases)

@@ -152,3 +152,24 @@ def test_smollm2_rag_prompt_and_full_recompute():
     b = blend(model, prefix, chunks, question, 1.0)
     torch.testing.assert_close(b.logits, logits, atol=1e-3, rtol=1e-4)   # 30 layers of fp32 sums in another order
     assert int(b.logits.argmax()) == int(logits.argmax())
+
+
+def test_selector_seam_and_harness():
+    """`blend(selector=...)` uses the given selection; the library's (`select_high_deviation`) is `kv_deviation` +
+    `select_tokens`; Lab 10's harness (`run_selector`) recomputes exactly the selected positions, and ratio 1 gives
+    the full prefill's answer while picking the least deviating tokens recovers less of the full-prefill KV."""
+    from llmso_lab.kv.blend import kv_deviation, run_selector, select_high_deviation, select_tokens
+
+    g = torch.Generator().manual_seed(0)
+    new, old = torch.randn(1, 2, 30, 8, generator=g), torch.randn(1, 2, 30, 8, generator=g)
+    assert torch.equal(select_high_deviation(new, old, 0.2), select_tokens(kv_deviation(new, old), 0.2))
+
+    def least(new, old, ratio):
+        dev = kv_deviation(new, old)
+        return torch.sort(torch.topk(-dev, int(ratio * dev.numel() + 0.5)).indices).values
+
+    best, worst = run_selector(select_high_deviation, 0.3, seed=1), run_selector(least, 0.3, seed=1)
+    assert len(best["selected"]) == len(worst["selected"]) == 15 and best["selected"] != worst["selected"]
+    assert best["deviation_x1000"] < worst["deviation_x1000"]
+    full = run_selector(select_high_deviation, 1.0, seed=1)
+    assert full["same_answer_as_full"] and full["deviation_x1000"] == 0 and len(full["selected"]) == 51

@@ -137,6 +137,72 @@ def pyramid_budgets(num_layers, total_budget, beta=20):
 """
 
 
+POLICY = """\
+class StreamingEvictionPolicy:
+    def __init__(self, num_sink_blocks, window_blocks, block_size, release):
+        self.sinks, self.window, self.bs, self.release = num_sink_blocks, window_blocks, block_size, release
+
+    def cap(self, seq, n):
+        if n == 0:
+            return 0
+        c, bs, most = seq.num_computed_tokens, self.bs, self.sinks + self.window + 1
+        first_written = c // bs
+        n = min(n, (max(self.sinks, first_written) + self.window + 1) * bs - c)
+        held_after = -(-(c + n) // bs) - seq.num_dropped_blocks
+        evictable = max(0, first_written - self.sinks - seq.num_dropped_blocks)
+        k = min(evictable, max(0, held_after - most))
+        for block_id in seq.block_table[self.sinks:self.sinks + k]:
+            self.release(block_id)
+        del seq.block_table[self.sinks:self.sinks + k]
+        seq.num_dropped_blocks += k
+        return n
+"""
+# correct but different: grow the chunk token by token, and evict one block at a time while the sequence would hold
+# too many, newest-released-first order does not matter (the block manager's free list only changes block ids)
+POLICY_LOOPS = """\
+class StreamingEvictionPolicy:
+    def __init__(self, num_sink_blocks, window_blocks, block_size, release):
+        self.s, self.w, self.b, self.give_back = num_sink_blocks, window_blocks, block_size, release
+
+    def cap(self, seq, n):
+        c, b = seq.num_computed_tokens, self.b
+        limit = self.s + self.w + 1
+        dropped = seq.num_dropped_blocks
+        last_ok = 0
+        for m in range(1, n + 1):   # the most tokens that fit once the evictable blocks are gone
+            spans = (c + m + b - 1) // b
+            evictable = max(0, c // b - self.s - dropped)
+            if spans - dropped - evictable <= limit:
+                last_ok = m
+            else:
+                break
+        n = last_ok
+        gone = []
+        while n and (c + n + b - 1) // b - seq.num_dropped_blocks > limit and \\
+                c // b - self.s - seq.num_dropped_blocks > 0:
+            gone.append(seq.block_table.pop(self.s))
+            seq.num_dropped_blocks += 1
+        for block_id in reversed(gone):
+            self.give_back(block_id)
+        return n
+"""
+BLEND_SEL = """\
+def cacheblend_select(new, old, ratio):
+    dev = (new - old).float().pow(2).sum(dim=(0, 1, 3)).sqrt() / new.float().pow(2).sum(dim=(0, 1, 3)).sqrt().clamp_min(1e-12)
+    k = int(ratio * dev.numel() + 0.5)
+    order = sorted(range(dev.numel()), key=lambda t: (-float(dev[t]), t))
+    return torch.tensor(sorted(order[:k]), dtype=torch.long)
+"""
+BLEND_TOPK = """\
+def cacheblend_select(new, old, ratio):
+    n = new.shape[2]
+    per_token = lambda x: torch.linalg.vector_norm(x.transpose(1, 2).reshape(n, -1).double(), dim=1)
+    score = per_token(new - old) / per_token(new)
+    count = int(ratio * n + 0.5)
+    return torch.sort(torch.topk(score, count).indices).values if count else torch.zeros(0, dtype=torch.long)
+"""
+
+
 VARIANTS: dict[str, dict[str, list[str]]] = {
     # ---- Lab 10 -------------------------------------------------------------------------------
     "lab10/kivi_fake_quantize": {
@@ -246,5 +312,30 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    return [round(hi - l * (hi - lo) / (num_layers - 1)) for l in range(num_layers)]  # sum drifts\n",
                   PYRAMID.replace("key=lambda l: (-(exact[l] - out[l]), l)", "key=lambda l: (-(exact[l] - out[l]), -l)")],  # ties: top first
         "right": [PYRAMID, PYRAMID_HEAP],
+    },
+    "lab10/StreamingEvictionPolicy": {
+        "wrong": [POLICY.replace("        n = min(n, (max(self.sinks, first_written) + self.window + 1) * bs - c)\n", ""),  # no cap
+                  POLICY.replace("seq.block_table[self.sinks:self.sinks + k]", "seq.block_table[0:k]"),   # evicts the sinks
+                  POLICY.replace("        seq.num_dropped_blocks += k\n", ""),    # the engine's cache index goes wrong
+                  POLICY.replace("for block_id in seq.block_table[self.sinks:self.sinks + k]:\n            self.release(block_id)\n"
+                                 "        del seq.block_table[self.sinks:self.sinks + k]",
+                                 "end = self.sinks + evictable\n"
+                                 "        for block_id in seq.block_table[end - k:end]:   # the newest evictable blocks\n"
+                                 "            self.release(block_id)\n"
+                                 "        del seq.block_table[end - k:end]")],
+        "right": [POLICY, POLICY_LOOPS],
+    },
+    "lab10/cacheblend_select": {
+        "wrong": [BLEND_SEL.replace(" / new.float().pow(2).sum(dim=(0, 1, 3)).sqrt().clamp_min(1e-12)", ""),  # absolute deviation
+                  BLEND_SEL.replace("-float(dev[t])", "float(dev[t])"),                   # the least deviating tokens
+                  BLEND_SEL.replace("dev = (new - old)", "dev = (new - old).abs().amax(dim=(0, 1, 3)) + 0 * (new - old)")
+                  .replace(".float().pow(2).sum(dim=(0, 1, 3)).sqrt() / new", " / new").replace(
+                      "dev = (new - old).abs().amax(dim=(0, 1, 3)) + 0 * (new - old) / new.float().pow(2).sum(dim=(0, 1, 3)).sqrt().clamp_min(1e-12)",
+                      "dev = (new - old).abs().amax(dim=(0, 1, 3))  # max deviation of one element, not the token's norm"),
+                  "def cacheblend_select(new, old, ratio):\n"
+                  "    n = new.shape[2]\n"
+                  "    g = torch.Generator().manual_seed(0)\n"
+                  "    return torch.randperm(n, generator=g)[:int(ratio * n + 0.5)].sort().values  # random tokens\n"],
+        "right": [BLEND_SEL, BLEND_TOPK],
     },
 }

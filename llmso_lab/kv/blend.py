@@ -39,8 +39,8 @@ from llmso_lab.kv.evict import cache_kwarg, greedy_continue
 from llmso_lab.kv.needle import Needle, make_needle
 from llmso_lab.models.shapes import ModelShape
 
-__all__ = ["rerotate_keys", "kv_deviation", "select_tokens", "prefill_kv", "BlendResult", "blend", "full_prefill",
-           "deviation_by_layer", "greedy_answer", "PREFIX", "rag_prompt"]
+__all__ = ["rerotate_keys", "kv_deviation", "select_tokens", "select_high_deviation", "prefill_kv", "BlendResult",
+           "blend", "full_prefill", "deviation_by_layer", "greedy_answer", "PREFIX", "rag_prompt", "run_selector"]
 
 
 # ---- the pure pieces ---------------------------------------------------------------------------------------------
@@ -75,6 +75,13 @@ def select_tokens(deviation: torch.Tensor, ratio: float) -> torch.LongTensor:
     k = int(ratio * deviation.numel() + 0.5)
     order = sorted(range(deviation.numel()), key=lambda t: (-float(deviation[t]), t))
     return torch.tensor(sorted(order[:k]), dtype=torch.long)
+
+
+def select_high_deviation(new: torch.Tensor, old: torch.Tensor, ratio: float) -> torch.LongTensor:
+    """CacheBlend's selection: of the chunk tokens whose true K or V `new` [1, H, T, D] and stored `old` are given,
+    the round(ratio x T) with the largest relative deviation ||new - old|| / ||new|| (over heads and dims), as sorted
+    indices into 0..T-1 (ties: the earlier token)."""
+    return select_tokens(kv_deviation(new, old), ratio)
 
 
 # ---- on the model ------------------------------------------------------------------------------------------------
@@ -136,12 +143,14 @@ def _layer_flops(shape: ModelShape, full_positions: torch.Tensor, kv_only: int =
 @torch.no_grad()
 def blend(model, prefix_ids: torch.Tensor, chunk_ids: list[torch.Tensor], question_ids: torch.Tensor,
           ratio: float, chunk_kv: list | None = None, select_layer: int = 1, on: str = "v",
-          select: str = "deviation", seed: int = 0) -> BlendResult:
+          select: str = "deviation", seed: int = 0, selector=None) -> BlendResult:
     """Prefill [prefix][chunks][question] from stored chunk KVs, recomputing the `ratio` most deviating chunk
     tokens (module docstring). `chunk_kv[i]`: `prefill_kv(model, chunk_ids[i])` (computed here when None), stored
     at positions 0..n-1 and re-rotated into place. The prefix (a shared system prompt: ordinary prefix caching) is
     exact. `on`: select by the deviation of "v" (CacheBlend's choice) or "k". `select="random"`: the same number
-    of chunk tokens drawn at random (seeded), the control showing that choosing by deviation is what helps."""
+    of chunk tokens drawn at random (seeded), the control showing that choosing by deviation is what helps.
+    `selector(new, old, ratio)`: the selection itself (default `select_high_deviation`; Lab 10's exercise plugs in
+    the student's), given the select layer's true and stored K or V rows of the chunk tokens [1, H, n, D]."""
     _check_ids("prefix_ids", prefix_ids)
     _check_ids("question_ids", question_ids, allow_empty=False)
     for c in chunk_ids:
@@ -182,10 +191,13 @@ def blend(model, prefix_ids: torch.Tensor, chunk_ids: list[torch.Tensor], questi
         if l == select_layer:                                    # pick the high-deviation chunk tokens
             in_chunk = active < chunk_end
             new, old = (vs, V[l]) if on == "v" else (ks, K[l])
-            dev = kv_deviation(new[:, :, in_chunk], old[:, :, active[in_chunk]])
             if select == "random":
-                dev = torch.rand(dev.shape, generator=torch.Generator().manual_seed(seed))
-            keep = torch.cat([select_tokens(dev, ratio), (~in_chunk).nonzero()[:, 0]])
+                n_chunk = int(in_chunk.sum())
+                chosen = select_tokens(torch.rand(n_chunk, generator=torch.Generator().manual_seed(seed)), ratio)
+            else:
+                chosen = (selector or select_high_deviation)(new[:, :, in_chunk], old[:, :, active[in_chunk]], ratio)
+                chosen = torch.as_tensor(chosen, dtype=torch.long).reshape(-1)
+            keep = torch.cat([chosen, (~in_chunk).nonzero()[:, 0]])
             flops += _layer_flops(shape, torch.empty(0), kv_only=len(active) - len(keep))
             selected = active[keep[: len(keep) - q]]
             active, h, qs, ks, vs = active[keep], h[:, keep], qs[:, :, keep], ks[:, :, keep], vs[:, :, keep]
@@ -242,3 +254,32 @@ def rag_prompt(tokenizer, num_tokens: int = 512, depth: float = 0.5, num_chunks:
     enc = lambda text: torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     chunks = [enc((" " if i else "") + " ".join(sents[a:b])) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return enc(PREFIX), chunks, enc(needle.question), needle
+
+
+def run_selector(selector, ratio: float, seed: int = 0, chunk_lens: tuple[int, ...] = (20, 14, 17), prefix_len: int = 4,
+                 question_len: int = 5, on: str = "v", answer_tokens: int = 4) -> dict:
+    """Lab 10's harness for the CacheBlend selection exercise: `blend` runs with `selector(new, old, ratio)` choosing
+    the chunk tokens to recompute (new, old: the select layer's true and stored V (or K) rows of the chunk tokens,
+    [1, Hkv, n, D]; it returns their indices 0..n-1). The model is a tiny seeded Llama (`models.tiny.tiny_llama`, 4
+    layers, fp32); prefix, chunks and question are random token ids from `seed`, each chunk prefilled alone.
+
+    Returns plain data: "selected" (prompt positions recomputed), "answer" (greedy tokens from the blended cache),
+    "same_answer_as_full" (equal to a full prefill's), "deviation_x1000" (mean last-layer V deviation from the
+    full prefill over the chunk tokens, x1000, rounded: how much of the full-prefill KV the selection recovered)."""
+    from llmso_lab.models.tiny import tiny_llama
+
+    model = tiny_llama(num_layers=4, max_position_embeddings=512, seed=1)
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, model.config.vocab_size, (1, n), generator=g)   # noqa: E731
+    pre, chunks, q = ids(prefix_len), [ids(n) for n in chunk_lens], ids(question_len)
+    b = blend(model, pre, chunks, q, ratio, on=on, selector=selector)
+    T = pre.shape[1] + sum(chunk_lens) + question_len
+    full_cache, full_logits = full_prefill(model, torch.cat([pre, *chunks, q], 1))
+    answer = greedy_answer(model, b.cache, b.logits, T, answer_tokens)
+    full = greedy_answer(model, full_cache, full_logits, T, answer_tokens)
+    # the last layer's V deviation from the full prefill, written out here: `kv_deviation` is disabled while graded
+    full_v = full_cache.layers[-1].values[:, :, prefix_len:T - question_len].float()
+    diff = (full_v - b.cache.layers[-1].values[:, :, prefix_len:T - question_len].float()).pow(2).sum(dim=(0, 1, 3))
+    dev = (diff.sqrt() / full_v.pow(2).sum(dim=(0, 1, 3)).sqrt().clamp_min(1e-12)).mean()
+    return {"selected": b.selected.tolist(), "answer": answer, "same_answer_as_full": answer == full,
+            "deviation_x1000": round(float(dev) * 1000)}

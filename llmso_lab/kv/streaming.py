@@ -30,9 +30,10 @@ budget are therefore prefilled in several chunks (this needs `enable_chunked_pre
 
 vLLM has no such option (its paged cache never drops a running sequence's blocks; sliding-window models free the
 blocks that fell out of the window, the same mechanism without sinks). The pure functions below are the rule;
-`StreamingKVEviction` plugs it into the engine: the scheduler's `growth` seam caps each step's tokens and drops the
-blocks before the free-block check (`LLM(kv_eviction={"method": "streaming", "num_sink_blocks": s,
-"window_blocks": w})`). The features it refuses are in `engine.compat`; n > 1 and beam search are refused per request
+`StreamingEvictionPolicy` applies it to one sequence in the scheduler's `growth` seam (`cap(seq, n)`: cap this step's
+tokens, drop the oldest non-sink blocks before the free-block check) and `StreamingKVEviction` plugs it into the engine
+(`LLM(kv_eviction={"method": "streaming", "num_sink_blocks": s, "window_blocks": w})`; `"policy": cls` swaps in
+another class with the same constructor and `cap`, as Lab 10's exercise does). The features it refuses are in `engine.compat`; n > 1 and beam search are refused per request
 (samples and beams share blocks that one of them would drop). A sequence preempted by recompute is recomputed that
 way too, so its later tokens may differ from an uninterrupted run.
 """
@@ -40,7 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StreamingEviction", "streaming_block_keep", "max_chunk_tokens", "num_blocks_to_evict", "StreamingKVEviction"]
+__all__ = ["StreamingEviction", "streaming_block_keep", "max_chunk_tokens", "num_blocks_to_evict",
+           "StreamingEvictionPolicy", "StreamingKVEviction"]
 
 EVICTION_METHODS = ("streaming",)
 
@@ -55,21 +57,27 @@ class StreamingEviction:
     num_sink_blocks: int = 1
     window_blocks: int = 15
     method: str = "streaming"
+    policy: type | None = None   # the class applying the rule in the growth seam (None: StreamingEvictionPolicy)
 
     @classmethod
     def from_dict(cls, spec: dict) -> "StreamingEviction":
         if not isinstance(spec, dict):
             raise ValueError(f"kv_eviction must be a dict like {{'method': 'streaming', 'num_sink_blocks': 1, "
                              f"'window_blocks': 15}} or None, got {spec!r}")
-        unknown = set(spec) - {"method", "num_sink_blocks", "window_blocks"}
+        unknown = set(spec) - {"method", "num_sink_blocks", "window_blocks", "policy"}
         if unknown:
-            raise ValueError(f"unknown kv_eviction keys {sorted(unknown)}; valid: method, num_sink_blocks, window_blocks")
+            raise ValueError(f"unknown kv_eviction keys {sorted(unknown)}; valid: method, num_sink_blocks, window_blocks, "
+                             "policy")
         method = spec.get("method", "streaming")
         if method not in EVICTION_METHODS:
             raise ValueError(f"kv_eviction method {method!r} is not supported in the engine; valid: "
                              f"{', '.join(EVICTION_METHODS)} (H2O / SnapKV / PyramidKV keep per-head token sets that the "
                              "paged layout cannot hold: see llmso_lab.kv.evict)")
-        out = cls(spec.get("num_sink_blocks", 1), spec.get("window_blocks", 15), method)
+        policy = spec.get("policy")
+        if policy is not None and not callable(getattr(policy, "cap", None)):
+            raise ValueError(f"kv_eviction policy must be a class with a cap(seq, n) method (like "
+                             f"StreamingEvictionPolicy), got {policy!r}")
+        out = cls(spec.get("num_sink_blocks", 1), spec.get("window_blocks", 15), method, policy)
         if not isinstance(out.num_sink_blocks, int) or out.num_sink_blocks < 0:
             raise ValueError(f"kv_eviction num_sink_blocks must be an int >= 0, got {out.num_sink_blocks!r}")
         if not isinstance(out.window_blocks, int) or out.window_blocks < 1:
@@ -112,41 +120,54 @@ def num_blocks_to_evict(num_computed: int, num_new: int, num_evicted: int, block
     return min(evictable, max(0, held_after - ev.max_blocks_per_seq))
 
 
+class StreamingEvictionPolicy:
+    """The rule applied to one sequence at a time, in the scheduler's `growth` seam.
+
+    `release(block_id)` returns a block to the block manager. `cap(seq, n)` is called before the free-block check of
+    each step that would compute `n` tokens of `seq` (positions c .. c + n - 1, c = `seq.num_computed_tokens`):
+    it caps n so that the sequence holds at most sinks + window + 1 blocks once its evictable blocks are gone
+    (`max_chunk_tokens`), drops the oldest non-sink blocks that would exceed that (`num_blocks_to_evict`: full
+    blocks the step does not write) from `seq.block_table` (table index `num_sink_blocks` on: the sinks stay first),
+    releases them, adds their count to `seq.num_dropped_blocks` (the engine's cache index = position -
+    num_dropped_blocks * block_size), and returns the capped n."""
+
+    def __init__(self, num_sink_blocks: int, window_blocks: int, block_size: int, release) -> None:
+        self.ev = StreamingEviction(num_sink_blocks, window_blocks)
+        self.block_size, self.release = block_size, release
+
+    def cap(self, seq, n: int) -> int:
+        if n == 0:
+            return n
+        n = min(n, max_chunk_tokens(seq.num_computed_tokens, self.block_size, self.ev))
+        k = num_blocks_to_evict(seq.num_computed_tokens, n, seq.num_dropped_blocks, self.block_size, self.ev)
+        first, end = self.ev.num_sink_blocks, self.ev.num_sink_blocks + k
+        # only computed tokens may go: their K/V is gone for good
+        assert k == 0 or (end + seq.num_dropped_blocks) * self.block_size <= seq.num_computed_tokens
+        for block_id in seq.block_table[first:end]:
+            self.release(block_id)
+        del seq.block_table[first:end]
+        seq.num_dropped_blocks += k
+        return n
+
+
 class StreamingKVEviction:
-    """The engine feature (`kv_eviction=`): the scheduler's `growth` seam and the `kv_evicted_blocks` stat."""
+    """The engine feature (`kv_eviction=`): installs the policy in the scheduler's `growth` seam, hands it the block
+    manager's release, and counts the `kv_evicted_blocks` stat."""
     name = "kv_eviction"
 
     def __init__(self, engine) -> None:
         self.ev, self.block_size = engine.config.eviction, engine.config.block_size
         self.bm = engine.block_manager
+        # evicted K/V is gone for good, so nothing may share it: prefix caching is off under eviction (engine.compat)
+        assert not self.bm.enable_prefix_caching, "eviction and prefix caching do not mix"
         self.num_evicted_blocks = 0
-        engine.scheduler.growth = self
+        policy = self.ev.policy or StreamingEvictionPolicy
+        self.policy = policy(self.ev.num_sink_blocks, self.ev.window_blocks, self.block_size, self._release)
+        engine.scheduler.growth = self.policy
 
-    def cap(self, seq, n: int) -> int:
-        """Cap this step's `n` tokens of `seq` so that it holds at most sinks + window + 1 blocks once its evictable
-        blocks are gone, drop the oldest non-sink blocks that would exceed that (before the free-block check, so they
-        count as free), and return the capped `n`."""
-        if n == 0:
-            return n
-        n = min(n, max_chunk_tokens(seq.num_computed_tokens, self.block_size, self.ev))
-        k = num_blocks_to_evict(seq.num_computed_tokens, n, seq.num_dropped_blocks, self.block_size, self.ev)
-        if k:
-            self.drop_blocks(seq, self.ev.num_sink_blocks, k)
-        return n
-
-    def drop_blocks(self, seq, first: int, count: int) -> None:
-        """Drop `count` blocks of `seq.block_table` from table index `first` on and return them (the oldest blocks
-        after the sinks). Their K/V is gone for good, so they must hold only computed tokens that nothing caches:
-        prefix caching is off under eviction (a later sequence could not share a table with a hole)."""
-        bm, end = self.bm, first + count
-        assert not bm.enable_prefix_caching, "eviction and prefix caching do not mix"
-        assert 0 <= first and end * self.block_size <= bm._num_kv_tokens(seq), \
-            f"seq {seq.seq_id}: blocks {first}..{end - 1} are not all computed"
-        for block_id in seq.block_table[first:end]:
-            bm._release(block_id)
-        del seq.block_table[first:end]
-        seq.num_dropped_blocks += count
-        self.num_evicted_blocks += count
+    def _release(self, block_id: int) -> None:
+        self.bm._release(block_id)
+        self.num_evicted_blocks += 1
 
     def check_request(self, params) -> None:
         if params.n > 1:
@@ -159,3 +180,56 @@ class StreamingKVEviction:
 
     def stats(self) -> dict:
         return {"kv_evicted_blocks": self.num_evicted_blocks}
+
+
+def run_policy_in_engine(policy_cls, prompts: list[list[int]], max_tokens: int, num_sink_blocks: int = 1,
+                         window_blocks: int = 3, num_kv_blocks: int = 16, max_num_batched_tokens: int = 64,
+                         block_size: int = 4, max_steps: int = 2000) -> dict:
+    """Lab 10's harness for the StreamingLLM eviction exercise: the engine runs with `policy_cls` in its growth seam.
+
+    `policy_cls(num_sink_blocks, window_blocks, block_size, release)` must behave like `StreamingEvictionPolicy`
+    (its `cap(seq, n)` caps a step's tokens and drops the oldest non-sink blocks, releasing them). The engine is a
+    tiny seeded Llama (`models.tiny.tiny_llama`, 2 layers, fp32) with `kv_eviction={..., "policy": policy_cls}`,
+    chunked prefill on, greedy decoding of `max_tokens` tokens per prompt (token id lists). Every step the block
+    manager's invariants are checked (a block released but still in a table, or leaked, fails here).
+
+    Returns plain data: "tokens" (greedy tokens per prompt), "caps" (one [request, computed, asked, granted,
+    dropped blocks, blocks held] per `cap` call: what the policy let the step compute and which positions it
+    kept), "most_blocks_held" (by one sequence after any step), "kv_evicted_blocks", "blocks_free_after" (every
+    block back in the free list at the end)."""
+    from llmso_lab.engine import LLM, SamplingParams
+    from llmso_lab.models.tiny import tiny_llama
+
+    caps = []
+
+    class Recorded:   # the student's policy, each call recorded
+        def __init__(self, *args) -> None:
+            self.inner = policy_cls(*args)
+
+        def cap(self, seq, n: int) -> int:
+            got = self.inner.cap(seq, n)
+            caps.append([int(seq.request_id), seq.num_computed_tokens, n, int(got), seq.num_dropped_blocks,
+                         len(seq.block_table)])
+            return got
+
+    llm = LLM(tiny_llama(num_layers=2, max_position_embeddings=512), block_size=block_size, max_model_len=512,
+              num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
+              kv_eviction={"method": "streaming", "num_sink_blocks": num_sink_blocks, "window_blocks": window_blocks,
+                           "policy": Recorded})
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [llm.add_request({"prompt_token_ids": list(p)}, params) for p in prompts]
+    outs, most_held = {}, 0
+    for _ in range(max_steps):
+        if not llm.has_unfinished_requests():
+            break
+        done, _ = llm.step()
+        llm.scheduler.check_invariants()
+        most_held = max([most_held] + [len(s.block_table) for s in llm.scheduler.running])
+        for o in done:
+            outs[o.request_id] = list(o.outputs[0].token_ids)
+    else:
+        raise RuntimeError(f"the engine did not finish in {max_steps} steps: does cap() return 0 for a sequence "
+                           "that still has tokens to compute?")
+    return {"tokens": [outs[i] for i in ids], "caps": caps, "most_blocks_held": most_held,
+            "kv_evicted_blocks": llm.stats()["kv_evicted_blocks"],
+            "blocks_free_after": llm.block_manager.num_free_blocks == llm.block_manager.num_blocks}

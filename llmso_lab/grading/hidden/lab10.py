@@ -37,6 +37,16 @@ hidden("10", {
         (snapkv_inputs(6, 2, 20, 8, 40, 8, 7, seed=1600), {}),      # budget > T
         (snapkv_inputs(9, 3, 64, 8, 24, 1, 5, seed=1700), {}),      # window of one query
     ],
+    "StreamingEvictionPolicy": [
+        (([[(5 * i + 11) % 240 + 3 for i in range(45)]], 10, 1, 2, 8, 16), {}),   # 45-token prompt, 16-token steps
+        (([list(range(3, 9)), list(range(60, 73)), list(range(100, 104))], 25, 1, 1, 12), {}),   # window of one block
+        (([list(range(3, 21))], 30, 3, 2, 10), {}),                               # 3 sink blocks
+    ],
+    "cacheblend_select": [
+        ((0.15, 11), {"chunk_lens": (12, 30, 8, 20)}),
+        ((0.6, 12), {}),
+        ((0.05, 13), {"on": "k", "chunk_lens": (64,)}),
+    ],
     "pyramid_budgets": [
         ((30, 30 * 128), {}), ((30, 1234, 10), {}), ((24, 24 * 64, 1), {}), ((32, 4097, 20), {}),
         ((2, 2), {"beta": 1}), ((3, 100, 3.5), {}), ((16, 16 * 7 + 5, 8), {}), ((1, 1), {}),

@@ -2,7 +2,10 @@
 
 References: `llmso_lab.kv.quant:kivi_fake_quantize` (KIVI), `llmso_lab.kv.evict` (`streaming_keep`, `h2o_keep`,
 `snapkv_keep` with max pooling, `pyramid_budgets`). Inputs are small and seeded, so the checks are the same
-everywhere.
+everywhere. Two mechanism exercises are graded by running them: the StreamingLLM eviction policy in the engine's
+growth seam (`kv.streaming.run_policy_in_engine`: greedy tokens, every cap decision, blocks held and freed, against
+the library policy) and CacheBlend's token selection inside `kv.blend.blend` (`kv.blend.run_selector`: the
+recomputed positions and the answer, against the library selection).
 
 KIVI's expected values come from `kivi_oracle` below, the exact fp32 min-max definition the exercise states: the
 library stores its scales and zero points in fp16, rounded outward, so its codes differ from the fp32 grid by
@@ -32,6 +35,10 @@ KIVI_CODE = ("llmso_lab.kv.quant:quantize_asym", "llmso_lab.kv.quant:kivi_quanti
              "llmso_lab.kv.quant:kivi_quantize_values", "llmso_lab.kv.quant:AsymQuantized",
              "llmso_lab.quant.rtn:fake_quantize", *RTN_CODE)
 EVICT = "llmso_lab.kv.evict"
+STREAMING = "llmso_lab.kv.streaming"
+BLEND = "llmso_lab.kv.blend"
+P10, P7 = list(range(3, 13)), list(range(40, 47))          # prompts (token ids) for the eviction harness
+P30 = [(7 * i + 3) % 250 + 3 for i in range(30)]
 SELECT_CODE = (f"{EVICT}:_top_plus_recent", f"{EVICT}:h2o_keep")   # "recent window + top-k of the rest"
 
 
@@ -147,7 +154,7 @@ _h2o_recent_hot = h2o_scores(3, 24, seed=20, budget=10, recent=4, causal=False)
 _h2o_recent_hot[:, -2] = 5.0
 
 register(
-    Exercise("kivi_fake_quantize", "10", 25, "llmso_lab.kv.quant:kivi_fake_quantize", [
+    Exercise("kivi_fake_quantize", "10", 20, "llmso_lab.kv.quant:kivi_fake_quantize", [
         Case("4-bit, T=40, groups of 8, window 8: the oldest 32 tokens (4 key groups) quantized, 8 exact; "
              "key channel 3 is an outlier", kivi_inputs(40, 2, 16, 4, 8, 8, seed=1)),
         Case("2-bit, T=45, groups of 8, window 8: floor(37 / 8) * 8 = 32 quantized, the last 13 exact",
@@ -160,7 +167,7 @@ register(
     ], compare=fp32, oracle="llmso_lab.grading.specs.lab10:kivi_oracle", tripwires=KIVI_CODE,
         description="KIVI read-back: oldest whole groups quantized (keys per channel per group, values per token), "
                     "the recent window exact; fp32 asymmetric min-max"),
-    Exercise("streaming_keep", "10", 15, f"{EVICT}:streaming_keep", [
+    Exercise("streaming_keep", "10", 5, f"{EVICT}:streaming_keep", [
         Case("T=100, budget 20, 4 sinks: tokens 0-3 and 84-99", (100, 20)),
         Case("T=50, budget 10, 2 sinks", (50, 10, 2)),
         Case("no sinks (num_sink=0): only the 12 most recent of 30", (30, 12, 0)),
@@ -173,7 +180,7 @@ register(
     ], compare=same, tripwires=("llmso_lab.kv.streaming:streaming_block_keep",),   # the same rule, in blocks
         description="StreamingLLM keep-set: the first num_sink tokens and the most recent "
                                  "budget - num_sink, sorted (int64)"),
-    Exercise("h2o_keep", "10", 20, f"{EVICT}:h2o_keep", [
+    Exercise("h2o_keep", "10", 15, f"{EVICT}:h2o_keep", [
         Case("4 heads, T=32, budget 12 = 4 recent + 8 heavy hitters (column sums of causal attention)",
              (h2o_scores(4, 32, seed=10, budget=12, recent=4), 12, 4)),
         Case("3 heads, T=24, budget 10, recent 4; token 22 (in the recent window) has the largest score: it is "
@@ -187,7 +194,7 @@ register(
     ], compare=same, tripwires=(f"{EVICT}:_top_plus_recent",),
         description="H2O keep-set per head: the recent window plus the budget - recent largest accumulated "
                     "scores among the earlier tokens, sorted [H, budget]"),
-    Exercise("snapkv_keep", "10", 25, f"{EVICT}:snapkv_keep", [
+    Exercise("snapkv_keep", "10", 20, f"{EVICT}:snapkv_keep", [
         Case("MHA (2 heads), T=48, D=16, window 8, budget 20, max-pool kernel 7",
              snapkv_inputs(2, 2, 48, 16, 20, 8, 7, seed=100)),
         Case("GQA: 6 query heads on 2 KV heads (query heads 0-2 -> KV head 0, 3-5 -> 1), T=64, window 8, "
@@ -200,7 +207,7 @@ register(
     ], compare=same, tripwires=(f"{EVICT}:snapkv_scores", *SELECT_CODE),
         description="SnapKV keep-set per KV head: causal window votes averaged over the window and the query "
                     "heads of a group, max-pooled, top budget - window earlier tokens plus the window"),
-    Exercise("pyramid_budgets", "10", 15, f"{EVICT}:pyramid_budgets", [
+    Exercise("pyramid_budgets", "10", 5, f"{EVICT}:pyramid_budgets", [
         Case("SmolLM2-135M: 30 layers, 64 tokens per layer on average (1920), beta 20", (30, 1920)),
         Case("30 layers, 2000 tokens (not a multiple of 30), beta 20: largest remainders fill the sum",
              (30, 2000, 20)),
@@ -210,4 +217,31 @@ register(
         Case("2 layers, 9 tokens, beta 2: 4.5 * (1.5, 0.5) = (6.75, 2.25) -> [7, 2]", (2, 9, 2)),
     ], compare=same, description="PyramidKV per-layer budgets: arithmetic, decreasing with depth, from 2k - k/beta "
                                  "to k/beta, rounded by largest remainder to sum exactly to the total"),
+    Exercise("StreamingEvictionPolicy", "10", 20, f"{STREAMING}:StreamingEvictionPolicy", [
+        Case("one 10-token prompt, 40 new tokens; 1 sink + 3 window blocks of 4 tokens: at most 5 blocks held",
+             ([P10], 40, 1, 3, 8)),
+        Case("a 30-token prompt longer than the 20-token budget: prefilled in capped chunks, evicting between them",
+             ([P30], 12, 1, 3, 6)),
+        Case("the same with a 12-token step budget: smaller chunks, the cap still holds", ([P30], 12, 1, 3, 6, 12)),
+        Case("two sequences at once, 2 sink blocks and a window of 2", ([P10, P7], 30, 2, 2, 16)),
+        Case("no sink blocks (num_sink_blocks=0): a pure sliding window", ([P10], 30, 0, 3, 8)),
+        Case("a window that covers the whole sequence: nothing is evicted, the plain engine's tokens",
+             ([P10, P7], 20, 1, 20, 64)),
+    ], compare=same, harness=f"{STREAMING}:run_policy_in_engine", timeout_s=90,
+        tripwires=(f"{STREAMING}:max_chunk_tokens", f"{STREAMING}:num_blocks_to_evict",
+                   f"{STREAMING}:streaming_block_keep"),
+        description="StreamingLLM in the paged cache, run in the engine's growth seam: cap each step's tokens, drop "
+                    "and release the oldest non-sink blocks, keep num_dropped_blocks; graded on the engine's tokens, "
+                    "every cap decision and the blocks held and freed"),
+    Exercise("cacheblend_select", "10", 15, f"{BLEND}:select_high_deviation", [
+        Case("recompute 10 %: the 5 of 51 chunk tokens whose layer-1 V deviates most", (0.1,)),
+        Case("recompute 30 % (15 of 51 tokens), another prompt", (0.3, 1)),
+        Case("select by K instead of V (on='k'), 20 %", (0.2, 2), {"on": "k"}),
+        Case("ratio 0: plain concatenation, nothing recomputed", (0.0, 3)),
+        Case("ratio 1: every chunk token recomputed, the full prefill's answer", (1.0, 4)),
+        Case("two chunks of 40 and 9 tokens, 25 % (12 of 49)", (0.25, 5), {"chunk_lens": (40, 9)}),
+    ], compare=same, harness=f"{BLEND}:run_selector", timeout_s=60,
+        tripwires=(f"{BLEND}:kv_deviation", f"{BLEND}:select_tokens"),
+        description="CacheBlend's selection, run inside kv.blend.blend: the round(ratio x n) chunk tokens with the "
+                    "largest relative K/V deviation, sorted; graded on the recomputed positions and the answer"),
 )
