@@ -14,6 +14,49 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 
+HISTOGRAM_QUANTILE = """\
+import math
+def histogram_quantile(q, buckets):
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    if len(buckets) < 2 or buckets[-1][1] == 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for i, (le, count) in enumerate(buckets):
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            if i == 0 and le <= 0:
+                return le
+            if count == prev_count:
+                return math.nan
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+"""
+HISTOGRAM_QUANTILE_BISECT = """\
+import bisect, math
+def histogram_quantile(q, buckets):
+    if not 0 <= q <= 1:
+        return math.copysign(math.inf, q)
+    les = [b[0] for b in buckets]
+    counts = [b[1] for b in buckets]
+    if len(buckets) < 2 or counts[-1] == 0:
+        return math.nan
+    rank = q * counts[-1]
+    b = bisect.bisect_left(counts[:-1], rank)   # first finite bucket whose count reaches the rank
+    if b == len(buckets) - 1:
+        return les[-2]
+    if b == 0 and les[0] <= 0:
+        return les[0]
+    start, n = (les[b - 1], counts[b] - counts[b - 1]) if b else (0.0, counts[0])
+    r = rank - (counts[b - 1] if b else 0.0)
+    return start + (les[b] - start) * (r / n) if n else math.nan
+"""
+
+
 VARIANTS: dict[str, dict[str, list[str]]] = {
     # ---- Lab 00 -------------------------------------------------------------------------------
     "lab00/matmul_arithmetic_intensity": {
@@ -224,6 +267,15 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "        waited = now - r['arrival_time'] if now > r['arrival_time'] else 0.0\n"
                   "        return (r['predicted_len'] - waited * aging, r['arrival_time'], pos)\n"
                   "    return [r['request_id'] for _, r in sorted(enumerate(queue), key=effective)]\n"],
+    },
+    "lab02/histogram_quantile": {
+        "wrong": [HISTOGRAM_QUANTILE.replace("return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)",
+                                             "return le  # the bucket's upper bound, no interpolation"),
+                  HISTOGRAM_QUANTILE.replace("return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)",
+                                             "return (le - prev_le) * (rank - prev_count) / (count - prev_count)  # from 0"),
+                  HISTOGRAM_QUANTILE.replace("            if math.isinf(le):\n                return prev_le\n", ""),
+                  HISTOGRAM_QUANTILE.replace("rank = q * buckets[-1][1]", "rank = q * sum(c for _, c in buckets)  # not cumulative")],
+        "right": [HISTOGRAM_QUANTILE_BISECT, HISTOGRAM_QUANTILE],
     },
     # ---- Lab 03 -------------------------------------------------------------------------------
     "lab03/online_softmax_update": {

@@ -1,6 +1,6 @@
 """Hidden checks for Lab 02 (instructor only; not in the student bundle): ties, empty queues, edge budgets."""
 from llmso_lab.grading.registry import hidden
-from llmso_lab.grading.specs.lab02 import req
+from llmso_lab.grading.specs.lab02 import INF, req
 
 _tie = [req("x", 1.0, 1, 64), req("y", 1.0, 1, 64), req("z", 0.0, 1, 64)]   # same key but for the list position
 hidden("02", {
@@ -35,5 +35,16 @@ hidden("02", {
         (([req("x", 1.0, predicted_len=14), req("future", 9.0, predicted_len=10)],), {"now": 2.0, "aging": 1.0}),  # no negative credit
         (([req(i, float(i), predicted_len=float(64 - 8 * i)) for i in range(6)],), {"now": 4.0, "aging": 8.0}),
         (([req("a", 2.0, 9, 30), req("b", 0.0, 0, 30), req("c", 1.0, 0, 28)],), {"now": 1.0, "aging": 2.0}),
+    ],
+    "histogram_quantile": [
+        ((0.0, [[0.5, 3.0], [1.0, 6.0], [INF, 6.0]]), {}),                  # q = 0: the bottom of the first bucket
+        ((1.0, [[0.5, 3.0], [1.0, 6.0], [INF, 6.0]]), {}),                  # q = 1: the top of the last finite one
+        ((0.5, [[0.5, 3.0], [1.0, 6.0], [INF, 6.0]]), {}),                  # exactly on a bucket boundary
+        ((0.75, [[0.01, 0.0], [0.02, 0.0], [0.04, 8.0], [INF, 8.0]]), {}),  # empty buckets below
+        ((0.3, [[-1.0, 4.0], [0.0, 8.0], [INF, 10.0]]), {}),               # a non-positive first bound is returned
+        ((1.5, [[1.0, 1.0], [INF, 1.0]]), {}),                              # q > 1: +Inf
+        ((-0.1, [[1.0, 1.0], [INF, 1.0]]), {}),                             # q < 0: -Inf
+        ((0.5, [[INF, 4.0]]), {}),                                          # only +Inf: NaN
+        ((0.95, [[0.001, 1.0], [0.005, 4.0], [0.01, 9.0], [0.02, 30.0], [0.04, 31.0], [INF, 31.0]]), {}),
     ],
 })

@@ -1,18 +1,20 @@
 """Lab 02 (scheduling) exercises and their public checks.
 
-References: `llmso_lab.sim.budget:plan_token_budget` (the decode-first token budget) and
-`llmso_lab.policies` (`pick_victim`, `policy_key`). The policy exercises take plain data (lists of
+References: `llmso_lab.sim.budget:plan_token_budget` (the decode-first token budget),
+`llmso_lab.policies` (`pick_victim`, `policy_key`) and `llmso_lab.serve.metrics:histogram_quantile` (PromQL's
+`histogram_quantile` over a server's `/metrics` scrape). The policy exercises take plain data (lists of
 dicts), so their expected values come from small oracles below that wrap the library's policy code.
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from llmso_lab.grading.compare import exact
+from llmso_lab.grading.compare import close, exact
 from llmso_lab.grading.registry import Case, Exercise, register
 from llmso_lab.policies import pick_victim, policy_key
 
 same = exact()
+INF = float("inf")
 # The policy code the engine and the simulator sort with: disabled while a policy exercise is graded.
 POLICY_CODE = ("llmso_lab.policies:policy_key", "llmso_lab.policies:pick_victim", "llmso_lab.policies:serve_order",
                "llmso_lab.engine.policy:SchedulingPolicy")
@@ -44,7 +46,7 @@ _sjf_queue = [req(0, 0.0, predicted_len=500), req(1, 4.0, predicted_len=50), req
               req(3, 7.0, predicted_len=50)]
 
 register(
-    Exercise("plan_token_budget", "02", 50, "llmso_lab.sim.budget:plan_token_budget", [
+    Exercise("plan_token_budget", "02", 45, "llmso_lab.sim.budget:plan_token_budget", [
         Case("3 decodes, then prompts chunked into the leftover 29 tokens",
              (["d1", "d2", "d3"], [("a", 10), ("b", 100), ("c", 5)], 32)),
         Case("chunked prefill off: 'b' does not fit whole, and 'c' may not jump the queue",
@@ -53,16 +55,25 @@ register(
         Case("no decodes: a 2048-token budget over a long prompt", ([], [("long", 5000), ("short", 8)], 2048)),
     ], compare=same, tripwires=("llmso_lab.sim.budget:prefill_chunk",),
         description="one step's decode-first token budget: decodes take 1 token each, prefills chunk the rest"),
-    Exercise("choose_victim", "02", 30, "llmso_lab.policies:pick_victim", [
+    Exercise("choose_victim", "02", 25, "llmso_lab.policies:pick_victim", [
         Case("fcfs preempts the latest arrival", (_running, "fcfs")),
         Case("priority preempts the largest (priority, arrival)", (_running, "priority")),
         Case("sjf preempts the longest predicted job", (_running, "sjf")),
     ], compare=same, oracle="llmso_lab.grading.specs.lab02:victim_oracle", tripwires=POLICY_CODE,
         description="which running request to preempt when KV blocks run out, by policy"),
-    Exercise("sjf_order", "02", 20, "llmso_lab.policies:policy_key", [
+    Exercise("sjf_order", "02", 15, "llmso_lab.policies:policy_key", [
         Case("no aging: shortest predicted output first, ties by arrival", (_sjf_queue,), {"now": 8.0}),
         Case("aging 80 tokens/s at t=8: the 500-token job has waited 8 s (640 tokens of credit) and moves up",
              (_sjf_queue,), {"now": 8.0, "aging": 80.0}),
     ], compare=same, oracle="llmso_lab.grading.specs.lab02:sjf_oracle", tripwires=POLICY_CODE,
         description="the order in which shortest-job-first with aging serves a waiting queue"),
+    Exercise("histogram_quantile", "02", 15, "llmso_lab.serve.metrics:histogram_quantile", [
+        Case("p50 of a TTFT histogram: interpolated inside the (0.1, 0.25] bucket",
+             (0.5, [[0.05, 2.0], [0.1, 5.0], [0.25, 14.0], [0.5, 18.0], [INF, 20.0]])),
+        Case("p99 falls in the +Inf bucket: the highest finite bound",
+             (0.99, [[0.05, 2.0], [0.1, 5.0], [0.25, 14.0], [0.5, 18.0], [INF, 20.0]])),
+        Case("p90 in the first bucket: its lower bound is 0", (0.9, [[1.0, 10.0], [2.0, 10.0], [INF, 10.0]])),
+        Case("no observations yet: NaN", (0.5, [[0.1, 0.0], [INF, 0.0]])),
+    ], compare=close(atol=1e-9, rtol=1e-9), tripwires=("llmso_lab.serve.metrics:histogram_buckets",),
+        description="PromQL histogram_quantile: the q-quantile from cumulative buckets by linear interpolation"),
 )
