@@ -194,8 +194,10 @@ def ring_attention_step(o, lse, q, k_blk, v_blk, q_pos, k_pos, scale):
 def test_attention_by_another_name_trips_the_dispatcher(tmp_path):
     tests, _ = graded(tmp_path, "05", {"lab05/gqa_attention": GQA_BY_C_NN, "lab05/mla_decode_absorbed": MLA_BY_C_NN},
                       only=["gqa_attention", "mla_decode_absorbed", "mean_pool_kv_heads"])
-    for name in ("gqa_attention", "mla_decode_absorbed"):
-        assert tests[name]["score"] == 0 and "TRIPWIRE" in tests[name]["output"], tests[name]["output"]
+    assert tests["gqa_attention"]["score"] == 0 and "TRIPWIRE" in tests["gqa_attention"]["output"], tests["gqa_attention"]
+    # MLA leaves torch's SDPA on (the engine its harness runs uses it): SDPA over the latent cache as ONE shared KV head,
+    # after folding W_UK into the query, is the absorbed mechanism itself, so it keeps its points
+    assert tests["mla_decode_absorbed"]["score"] == get_exercise("mla_decode_absorbed").points, tests["mla_decode_absorbed"]
     assert tests["mean_pool_kv_heads"]["score"] == get_exercise("mean_pool_kv_heads").points
     tests, _ = graded(tmp_path, "05", {"lab05/gqa_attention": GQA_BY_ATEN}, only=["gqa_attention"])
     assert tests["gqa_attention"]["score"] == 0 and "TRIPWIRE" in tests["gqa_attention"]["output"]
@@ -214,7 +216,6 @@ def test_removing_the_dispatcher_tripwire_costs_the_exercise(tmp_path):
 
 
 @pytest.mark.parametrize("name,source", [("gqa_attention", GQA_BY_C_NN), ("gqa_attention", GQA_BY_ATEN),
-                                         ("mla_decode_absorbed", MLA_BY_C_NN),
                                          ("ring_attention_step", RING_BY_FLASH_CPU)])
 def test_check_trips_on_the_operator_too(name, source):
     res = check(name, fn=run_cell(source, name))
@@ -256,6 +257,29 @@ def streaming_keep(seq_len, budget, num_sink=4):
 def test_the_block_keep_set_of_the_engine_is_disabled_for_streaming_keep(tmp_path):
     tests, _ = graded(tmp_path, "10", {"lab10/streaming_keep": STREAMING_BY_BLOCKS}, only=["streaming_keep"])
     assert tests["streaming_keep"]["score"] == 0 and "TRIPWIRE" in tests["streaming_keep"]["output"]
+
+
+TP_MLP_BY_LIBRARY_LINEARS = """\
+from llmso_lab.parallel.tensor import column_parallel_linear, row_parallel_linear
+import torch
+def tp_mlp_forward(x, gate, up, down, group):
+    r, tp = group.rank, group.size
+    h = torch.nn.functional.silu(column_parallel_linear(x, gate, r, tp)) * column_parallel_linear(x, up, r, tp)
+    return group.all_reduce(row_parallel_linear(h, down, r, tp))
+"""
+PIPELINE_BY_LIBRARY = """\
+from llmso_lab.parallel.pipeline import gpipe_stage as pipeline_stage
+"""
+
+
+def test_lab08_mechanisms_run_in_ranks_cannot_borrow_the_library(tmp_path):
+    """The harness runs the student's function inside forked ranks: the stubs and tripwires are there too."""
+    tests, _ = graded(tmp_path, "08", {"lab08/tp_mlp_forward": TP_MLP_BY_LIBRARY_LINEARS,
+                                       "lab08/pipeline_stage": PIPELINE_BY_LIBRARY},
+                      only=["tp_mlp_forward", "pipeline_stage"])
+    for name in ("tp_mlp_forward", "pipeline_stage"):
+        assert tests[name]["score"] == 0, tests[name]["output"]
+    assert "TRIPWIRE" in tests["tp_mlp_forward"]["output"], tests["tp_mlp_forward"]["output"]
 
 
 # ---- 5. documented errors are graded -------------------------------------------------------------------
@@ -332,3 +356,126 @@ def test_a_killed_graders_folders_are_removed_before_its_slot_is_reused():
         for path in (mine, other):
             if os.path.exists(path):
                 os.rmdir(path)
+
+
+# ---- Lab 09 / Lab 10 mechanism exercises: the library's own mechanism is disabled inside the harness --------------
+POLICY_FROM_LIBRARY = """\
+from llmso_lab.kv.streaming import StreamingEvictionPolicy as _Lib
+class StreamingEvictionPolicy(_Lib):
+    pass
+"""
+POLICY_FROM_RULE = """\
+from llmso_lab.kv.streaming import StreamingEviction, max_chunk_tokens, num_blocks_to_evict
+class StreamingEvictionPolicy:
+    def __init__(self, num_sink_blocks, window_blocks, block_size, release):
+        self.ev, self.bs, self.release = StreamingEviction(num_sink_blocks, window_blocks), block_size, release
+    def cap(self, seq, n):
+        n = min(n, max_chunk_tokens(seq.num_computed_tokens, self.bs, self.ev))
+        k = num_blocks_to_evict(seq.num_computed_tokens, n, seq.num_dropped_blocks, self.bs, self.ev)
+        s = self.ev.num_sink_blocks
+        for b in seq.block_table[s:s + k]:
+            self.release(b)
+        del seq.block_table[s:s + k]
+        seq.num_dropped_blocks += k
+        return n
+"""
+SELECT_FROM_LIBRARY = """\
+from llmso_lab.kv.blend import kv_deviation, select_tokens
+def cacheblend_select(new, old, ratio):
+    return select_tokens(kv_deviation(new, old), ratio)
+"""
+RECEIVE_FROM_SLOTS = """\
+from llmso_lab.disagg.worker import slots_of
+def write_received_kv(caches, layer, payload, block_table, block_size, start):
+    slots = slots_of(block_table, block_size, start, start + payload.shape[1])
+    for c, rows in zip(caches, payload):
+        c[layer].view(-1, *c.shape[-2:]).index_copy_(0, slots, rows)
+"""
+
+MLA_FROM_LIBRARY = """\
+from llmso_lab.attention.mla import mla_attention
+def mla_decode_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale):
+    return mla_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale)
+"""
+BOUNDED_FROM_LIBRARY = """\
+import bisect
+from llmso_lab.routing import bounded_load_pick as library_pick
+def bounded_load_pick(ring, key, loads, c):
+    i, order = bisect.bisect_left([p for p, _ in ring], key), []
+    for j in range(len(ring)):
+        r = ring[(i + j) % len(ring)][1]
+        if r not in order:
+            order.append(r)
+    return library_pick(order, loads, c)
+"""
+
+
+@pytest.mark.parametrize("lab,name,source", [
+    ("05", "mla_decode_absorbed", MLA_FROM_LIBRARY), ("04", "bounded_load_pick", BOUNDED_FROM_LIBRARY),
+    ("10", "StreamingEvictionPolicy", POLICY_FROM_LIBRARY), ("10", "StreamingEvictionPolicy", POLICY_FROM_RULE),
+    ("10", "cacheblend_select", SELECT_FROM_LIBRARY), ("09", "write_received_kv", RECEIVE_FROM_SLOTS)])
+def test_a_mechanism_exercise_cannot_hand_the_harness_the_librarys_mechanism(tmp_path, lab, name, source):
+    """The harness runs the engine / blend / handoff for real, but with the library's own policy, selection and slot
+    arithmetic disabled: a submission that delegates to them earns nothing (only a case that never reaches them,
+    e.g. ratio 0, could pass)."""
+    tests, _ = graded(tmp_path, lab, {f"lab{lab}/{name}": source}, only=[name])
+    assert tests[name]["score"] < get_exercise(name).points / 2, tests[name]["output"]
+    assert "TRIPWIRE" in tests[name]["output"]
+
+
+# ---- Lab 07: the drafter exercise runs the engine, with the library's drafter and prompt lookup disabled --------
+DRAFTER_FROM_LIBRARY = """\
+from llmso_lab.spec.drafters import NgramDrafter
+class PromptLookupDrafter(NgramDrafter):
+    pass
+"""
+DRAFTER_FROM_LOOKUP = """\
+from llmso_lab.spec.drafters import Drafter
+from llmso_lab.spec.ngram import ngram_propose
+class PromptLookupDrafter(Drafter):
+    def __init__(self, n_min=2, n_max=4):
+        self.n_min, self.n_max = n_min, n_max
+    def propose(self, items):
+        return [(ngram_propose(i.seq.token_ids, i.num_lookahead, self.n_min, self.n_max), None) for i in items]
+"""
+
+
+@pytest.mark.parametrize("source", [DRAFTER_FROM_LIBRARY, DRAFTER_FROM_LOOKUP], ids=["subclass", "lookup"])
+def test_lab07_drafter_cannot_hand_the_engine_the_librarys_prompt_lookup(tmp_path, source):
+    tests, _ = graded(tmp_path, "07", {"lab07/PromptLookupDrafter": source}, only=["PromptLookupDrafter"])
+    assert tests["PromptLookupDrafter"]["score"] == 0, tests["PromptLookupDrafter"]["output"]
+    assert "TRIPWIRE" in tests["PromptLookupDrafter"]["output"]
+
+
+# ---- a harness measures in the student's process: what it measures with must stay as it was -----------------------
+FORGE_HARNESS = """\
+import llmso_lab.parallel.tensor as tensor
+def tp_mlp_forward(x, gate, up, down, group):
+    return x   # wrong: no MLP at all
+def _perfect(fn, tp, **kw):
+    return {"output_equals_tp1": True, "ranks_agree": True, "all_reduces_per_rank": [1] * tp,
+            "partial_is_rank_share": True, "max_abs_diff": 0.0}
+tensor.run_tp_mlp = _perfect   # the harness itself, replaced by a report that says 'perfect'
+"""
+FORGE_TORCH = """\
+import torch
+def tp_mlp_forward(x, gate, up, down, group):
+    y = x @ gate.t()   # wrong shape and values
+    group.all_reduce(y)
+    return y
+torch.equal = lambda *a, **k: True   # a comparison the harness may make, made to always agree
+"""
+FORGE_CLASS = """\
+import llmso_lab.parallel.launcher as launcher
+def tp_mlp_forward(x, gate, up, down, group):
+    return x
+launcher.RankError.brief = lambda self: None   # a library class's method
+"""
+
+
+@pytest.mark.parametrize("source", [FORGE_HARNESS, FORGE_TORCH, FORGE_CLASS], ids=["harness", "torch", "class"])
+def test_patching_what_a_harness_measures_with_costs_the_exercise(tmp_path, source):
+    tests, _ = graded(tmp_path, "08", {"lab08/tp_mlp_forward": source}, only=["tp_mlp_forward"])
+    t = tests["tp_mlp_forward"]
+    assert t["score"] == 0, t["output"]
+    assert "TRIPWIRE" in t["output"] and "replaced `" in t["output"], t["output"]
