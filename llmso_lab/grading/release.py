@@ -16,7 +16,7 @@ from llmso_lab.grading.notebook import make_student_notebook, read_notebook, sol
 __all__ = ["repo_root", "render_labs", "write_labs", "check_labs", "build_bundle", "INSTRUCTOR_TESTS"]
 
 # Tests that need solutions/ or hidden checks stay with the instructor.
-INSTRUCTOR_TESTS = ("test_grading", "test_release", "test_notebooks")
+INSTRUCTOR_TESTS = ("test_grading", "test_release", "test_notebooks", "test_lab_variants", "lab_variants", "variants_lab")   # variants hold answers
 BUNDLE_FILES = ("README.md", "pyproject.toml", "Makefile", "LICENSE")
 BUNDLE_DIRS = ("llmso_lab", "data", "tests")
 

@@ -95,7 +95,7 @@ register(
         Case("one decode row, groups of 16 (8 groups per row)", int4_case(1, 12, 128, 16, seed=61)),
         Case("a weight with an outlier column, groups of 64 = the whole row", int4_case(5, 6, 64, 64, seed=62, outlier=9)),
         Case("bigger: x [16, 256] (a prefill chunk), weight [48, 256], groups of 32", int4_case(16, 48, 256, 32, seed=63)),
-    ], compare=close(atol=1e-4, rtol=1e-4), tripwires=RTN_CODE + UNPACK_CODE,
+    ], compare=close(atol=1e-4, rtol=1e-4), tripwires=RTN_CODE + UNPACK_CODE + ("llmso_lab.quant.triton_w4a16:w4a16_matmul",),
         description="W4A16 by hand: unpack two codes per byte, scale and minimum per group, multiply; equals the "
                     "dequantized weight's matmul"),
     Exercise("smoothquant_scales", "06", 10, "llmso_lab.quant.w8a8:smoothquant_scales", [
