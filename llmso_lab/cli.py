@@ -171,7 +171,8 @@ def _cmd_demo(args) -> int:
     return run_demo(out_dir=Path(args.out))
 
 
-ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks", "dtype",
+ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
+                "kv_cache_memory_bytes", "dtype",
                 "quantization", "kv_cache_dtype", "scheduling_policy", "seed", "enable_prefix_caching",
                 "enable_chunked_prefill")
 
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name")
     b.add_argument("--quick", action="store_true", help="smaller workload (about a minute)")
     b.add_argument("--json", help="write the figures to this JSON file")
-    b.add_argument("--dtype", help="engine dtype where the benchmark takes one (batching, vllm): auto, float32, bfloat16, float16")
+    b.add_argument("--dtype", help="engine dtype where the benchmark takes one (batching, vllm, serve): auto, float32, bfloat16, float16")
     b.add_argument("--base-url", help="serve: the OpenAI-compatible server to load (default: start the engine's own)")
     b.add_argument("--rate", type=float, action="append", dest="rates", help="serve: requests/s (repeat for a sweep; inf: all at once)")
     b.add_argument("--num-prompts", type=int, help="serve: requests per rate")
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait beyond max_num_seqs; more get HTTP 503 (default 64)")
     for flag, kind in (("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--max-model-len", int),
-                       ("--block-size", int), ("--num-kv-blocks", int), ("--dtype", str), ("--quantization", str),
+                       ("--block-size", int), ("--num-kv-blocks", int), ("--kv-cache-memory-bytes", int), ("--dtype", str), ("--quantization", str),
                        ("--kv-cache-dtype", str), ("--scheduling-policy", str), ("--seed", int)):
         sv.add_argument(flag, type=kind, help="engine argument (vLLM's name)")
     sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)

