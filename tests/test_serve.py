@@ -401,8 +401,9 @@ def test_a_bench_server_process_dies_with_the_bench(tmp_path):
     (tmp_path / "health").write_text("ok")   # a stand-in server: /health answers 200
     script = (
         "import os, sys, time\n"
-        "from llmso_lab.bench.serve import _free_port, _server_process\n"
-        "port = _free_port()\n"
+        "from llmso_lab.bench.serve import _server_process\n"
+        "from llmso_lab.parallel.launcher import free_port\n"
+        "port = free_port()\n"
         f"cmd = [sys.executable, '-m', 'http.server', str(port), '--bind', '127.0.0.1', '--directory', {str(tmp_path)!r}]\n"
         "with _server_process('stand-in', cmd, dict(os.environ), port, None, 60) as url:\n"
         "    print(url, flush=True)\n"

@@ -19,7 +19,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from llmso_lab.bench.harness import lists, result, rounded, shared_cpu
+from llmso_lab.parallel.launcher import free_port
 from llmso_lab.workloads import chat_length_mix, make_workload, percentiles, poisson_arrivals, shared_prefix_workload
 
 WORKLOADS = ("random", "chat", "shared-prefix")
@@ -205,12 +205,6 @@ def measure(base_url: str, rates=(1.0,), num_prompts: int = 16, workload: str = 
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """In the child, before exec (Linux): SIGTERM when the bench process dies, even by a signal that skips its
     `finally` blocks, so that no server outlives the bench."""
@@ -276,7 +270,7 @@ def engine_server(engine_args: dict, *, max_model_len: int = 1024, startup_timeo
                   log_path: str | Path | None = None):
     """`llmso-lab serve smollm2-135m` in a process of its own (as `vllm serve` runs apart from its client), with the
     same flags as `vllm_server` and a 1 GiB KV cache; yields its base URL and stops it on leaving the block."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "llmso_lab.cli", "serve", "smollm2-135m", "--port", str(port),
            "--kv-cache-memory-bytes", str(1 << 30), *_shared_flags(engine_args, max_model_len)]
     with _server_process("llmso-lab serve", cmd, _threads_env(), port, log_path, startup_timeout_s) as url:
@@ -297,7 +291,7 @@ def vllm_server(engine_args: dict, *, python: str | Path | None = None, max_mode
         print(missing_venv_message(python))
         yield None
         return
-    port = _free_port()
+    port = free_port()
     env = {**_threads_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
     # The server's module, not the `vllm serve` script: that script asks importlib for the distribution "vllm", and
