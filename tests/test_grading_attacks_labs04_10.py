@@ -329,12 +329,15 @@ def test_an_error_case_needs_that_error_not_any_error():
         assert res.passed == total - 2 and "expected ValueError" in repr(res), res
 
 
-def test_a_killed_graders_folders_are_removed_before_its_slot_is_reused():
+def test_a_killed_graders_folders_are_removed_before_its_slot_is_reused(tmp_path, monkeypatch):
     """A grader killed mid-job leaves its job folder (a library copy, answers) readable by that slot's group; the
-    next job given the same slot (and so the same group) must not find it: taking a slot removes them first."""
+    next job given the same slot (and so the same group) must not find it: taking a slot removes them first.
+    The sweep runs in a temp dir of this test's own: in the shared one, sweeping our own group (root's, 0) would
+    delete the live library copy of a grading run in the other pytest worker."""
     import os
     import tempfile
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))       # mkdtemp and the sweep both use it
     mine = tempfile.mkdtemp(prefix="llmso-grade-stale-")          # a stale job folder of our own group
     other = tempfile.mkdtemp(prefix="llmso-grade-other-")
     gid = os.getegid()
