@@ -94,7 +94,7 @@ TINY = dict(model="tiny-llama", tg=6, pp=16, npp=8, ntg=4, parallel=(1, 2), roun
 
 
 def test_bench_pairs_the_engine_with_the_fake_peer(peer, tmp_path):
-    res = lc.run(quick=True, peer_dir=peer, **TINY)
+    res = lc.run(quick=True, peer_dir=peer, native=False, **TINY)
     json.dumps(res)
     assert res["dtypes"] == ["float32", "bfloat16", "q4_1"]   # the peer has no Q4_0
     assert [(r["dtype"], r["system"]) for r in res["table"]] == [
@@ -126,11 +126,29 @@ def test_bench_pairs_the_engine_with_the_fake_peer(peer, tmp_path):
 
 
 def test_bench_without_the_peer_measures_the_engine_alone(tmp_path, capsys):
-    res = lc.run(quick=True, peer_dir=tmp_path / "none", dtype="float32", **TINY)
+    res = lc.run(quick=True, peer_dir=tmp_path / "none", dtype="float32", native=False, **TINY)
     assert "make peers-llamacpp" in capsys.readouterr().out
     assert res["ratios"] == {} and "make peers-llamacpp" in res["llamacpp"]["skipped"]
     assert [(r["dtype"], r["system"]) for r in res["table"]] == [("float32", "engine")]
     assert res["command"].endswith("--dtype float32")
+
+
+def test_bench_times_the_native_gemv_as_a_third_system(peer):
+    """With the opt-in native GEMV (where it builds) fp32 and bf16 get a third system and its own ratios; 4-bit not."""
+    from llmso_lab.engine import native
+    res = lc.run(quick=True, peer_dir=peer, native=True, dtypes=("float32", "q4_1"), **TINY)
+    assert res["native_gemv"] == native.load()[1]
+    systems = [(r["dtype"], r["system"]) for r in res["table"]]
+    if native.load()[0] is None:   # not buildable here: no third system, and the JSON says why
+        assert lc.NATIVE not in {s for _, s in systems} and res["native_gemv"]
+        return
+    assert systems == [("float32", "engine"), ("float32", lc.NATIVE), ("float32", "llama.cpp 0000.0.0"),
+                       ("q4_1", "engine"), ("q4_1", "llama.cpp 0000.0.0")]
+    nat = next(r for r in res["table"] if r["system"] == lc.NATIVE)
+    assert nat["batch1_tok_s"] > 0 and nat["weights"] == "fp32, native GEMV for decode rows"
+    assert "engine_native_vs_llamacpp_batch1_fp32_worst_round" in res["ratios"]
+    assert not any(k.startswith("engine_native") and k.endswith("q4_1") for k in res["ratios"])
+    assert [x["system"] for x in res["timeline"][:3]] == ["engine", lc.NATIVE, "llama.cpp"]   # one round: all three
 
 
 def test_cli_lists_the_bench():

@@ -14,6 +14,10 @@ Dtypes: fp32 and bf16 (llama.cpp: the cached SmolLM2 converted to f32 / bf16 GGU
 (the engine's `quantization="int4"`, group 32, torch's int4 weight-only kernel; llama.cpp: the cached Q4_1 GGUF,
 the file the SmolLM2 weights come from, and Q4_0 made by `llama-quantize` where the peer built it).
 
+In fp32 and bf16 a third system runs where it builds on this machine: the engine with its opt-in native GEMV for
+decode rows (`engine.native`, `LLMSO_LAB_NATIVE_GEMV=1`), ratios `engine_native_vs_llamacpp_*` (`native=False`
+leaves it out; `native_gemv` in the JSON says whether it ran and why).
+
 Alternation: per dtype, rounds of (engine, llama.cpp, ...); every llama.cpp tool is a fresh process (it mmaps the
 GGUF and runs its own warm-up), the engine is built and warmed up once per dtype. Both use this process's torch
 thread count (`-t`). The table keeps each system's best round; `ratios` hold best over best
@@ -42,6 +46,7 @@ __all__ = ["run", "FULL", "QUICK", "LlamaCpp", "default_peer_dir", "missing_peer
 FULL = dict(tg=128, pp=512, npp=128, ntg=128, parallel=(1, 4, 16), rounds=3, reps=3)
 QUICK = dict(tg=32, pp=128, npp=32, ntg=16, parallel=(1, 4), rounds=2, reps=1)
 DTYPES = ("float32", "bfloat16", "q4_1", "q4_0")
+NATIVE = "engine + native GEMV"   # the engine with `engine.native` (opt-in), a third system in fp32 and bf16
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "q4_1": "q4_1", "q4_0": "q4_0"}
 GGUF_KEY = {"float32": "f32", "bfloat16": "bf16", "q4_0": "q4_0"}   # peer.json's models; q4_1 is the cached GGUF
 
@@ -116,16 +121,20 @@ class LlamaCpp:
 
 
 class EngineSide:
-    """The engine in one dtype (fp32, bf16, or int4 weight-only for the 4-bit rows), built and warmed up once."""
+    """The engine in one dtype (fp32, bf16, or int4 weight-only for the 4-bit rows), built and warmed up once;
+    `native`: with the opt-in native GEMV for decode rows (`engine.native`)."""
 
-    def __init__(self, net, tokenizer, dtype: str, cfg: dict) -> None:
+    def __init__(self, net, tokenizer, dtype: str, cfg: dict, native: bool = False) -> None:
         from llmso_lab.engine import LLM
+        from llmso_lab.engine import native as native_gemv
 
         kw = dict(dtype="float32", quantization="int4") if dtype.startswith("q4") else dict(dtype=dtype)
         batch = max(cfg["parallel"])
-        self.llm = LLM(net, tokenizer, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * cfg["npp"]),
-                       max_model_len=max(cfg["pp"], cfg["npp"] + cfg["ntg"], cfg["tg"]) + 8,
-                       enable_prefix_caching=False, seed=0, **kw)
+        with native_gemv.enabled(native):
+            self.llm = LLM(net, tokenizer, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * cfg["npp"]),
+                           max_model_len=max(cfg["pp"], cfg["npp"] + cfg["ntg"], cfg["tg"]) + 8,
+                           enable_prefix_caching=False, seed=0, **kw)
+        self.native = native
         self.cfg, self.vocab = cfg, net.config.vocab_size
         self.kind = kw
         g = torch.Generator().manual_seed(0)
@@ -165,10 +174,14 @@ def _share_rows(rows: list[dict], bandwidth: float, ctx: int, kv_bytes: dict) ->
 
 
 def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, ...] | None = None,
-        dtype: str | None = None, peer_dir: str | Path | None = None, **overrides) -> dict:
+        dtype: str | None = None, peer_dir: str | Path | None = None, native: bool | None = None,
+        **overrides) -> dict:
     """Run the engine-vs-llama.cpp benchmark (`dtype`/`dtypes`: a subset of fp32, bf16, q4_1, q4_0; default all
-    the peer has; `peer_dir`: the built peer, default `default_peer_dir()`; `overrides` replace FULL / QUICK)."""
+    the peer has; `peer_dir`: the built peer, default `default_peer_dir()`; `native`: also time the engine with its
+    opt-in native GEMV in fp32 and bf16 (None: where it builds here; `engine.native`); `overrides` replace FULL /
+    QUICK)."""
     from llmso_lab import hardware as hw
+    from llmso_lab.engine import native as native_gemv
     from llmso_lab.models import load_model
     from llmso_lab.models.shapes import ModelShape
 
@@ -184,13 +197,18 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
                                                           or peer is not None and peer.model(d) is not None)
     net, tokenizer = load_model(model)
     shape = ModelShape.from_hf_config(net.config, name=model)
+    native_mod, native_why = native_gemv.load() if native is not False else (None, "not asked for (native=False)")
+    native = native_mod is not None   # asked for but not buildable here: timed without it, `native_gemv` says why
     cpu = hw.measure_cpu(seconds=1.0 if quick else 3.0)   # before any round: the copy bandwidth the shares use
     table, by_round, ratios, timeline, t_start = [], [], {}, [], time.perf_counter()
     kv_bytes = {}
     for d in dtypes:
         eng = EngineSide(net, tokenizer, d, cfg)
         gguf = peer.model(d) if peer is not None else None
-        systems = {"engine": eng.round}
+        systems, engines = {"engine": eng.round}, {"engine": eng}
+        if native and d in ("float32", "bfloat16"):
+            engines[NATIVE] = EngineSide(net, tokenizer, d, cfg, native=True)
+            systems[NATIVE] = engines[NATIVE].round
         if gguf is not None:
             systems["llama.cpp"] = lambda g=gguf: {**peer.bench(g, cfg["pp"], cfg["tg"], cfg["reps"]),
                                                    "parallel_tok_s": peer.batched(g, cfg["npp"], cfg["ntg"],
@@ -206,29 +224,30 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
         kv_bytes[d] = shape.kv_bytes_per_token(4 if d in ("float32",) or d.startswith("q4") else 2)
         for s in systems:
             mine = [got[(s, r)] for r in range(1, cfg["rounds"] + 1)]
-            row = {"dtype": d, "system": s if s == "engine" else f"llama.cpp {peer.version}",
-                   "weights": _weights_label(s, d, gguf, eng),
+            row = {"dtype": d, "system": s if s in engines else f"llama.cpp {peer.version}",
+                   "weights": _weights_label(s, d, gguf),
                    "batch1_tok_s": round(max(m["batch1_tok_s"] for m in mine), 1),
                    "prefill_tok_s": round(max(m["prefill_tok_s"] for m in mine), 1)}
             for n in cfg["parallel"]:
                 row[f"parallel{n}_tok_s"] = round(max(m["parallel_tok_s"][n] for m in mine), 1)
-            row["bytes_per_token"] = eng.weight_bytes() if s == "engine" else gguf.stat().st_size
+            row["bytes_per_token"] = engines[s].weight_bytes() if s in engines else gguf.stat().st_size
             table.append(row)
         for r in range(1, cfg["rounds"] + 1):
             e = got[("engine", r)]
             rr = {"dtype": d, "round": r, "engine_batch1_tok_s": e["batch1_tok_s"],
                   "engine_prefill_tok_s": e["prefill_tok_s"]}
+            if (NATIVE, r) in got:
+                rr["engine_native_batch1_tok_s"] = got[(NATIVE, r)]["batch1_tok_s"]
             if ("llama.cpp", r) in got:
                 p = got[("llama.cpp", r)]
-                rr.update(llamacpp_batch1_tok_s=p["batch1_tok_s"], llamacpp_prefill_tok_s=p["prefill_tok_s"],
-                          batch1_ratio=e["batch1_tok_s"] / p["batch1_tok_s"],
-                          prefill_ratio=e["prefill_tok_s"] / p["prefill_tok_s"])
-                for n in cfg["parallel"]:
-                    rr[f"parallel{n}_ratio"] = e["parallel_tok_s"][n] / p["parallel_tok_s"][n]
+                rr.update(llamacpp_batch1_tok_s=p["batch1_tok_s"], llamacpp_prefill_tok_s=p["prefill_tok_s"])
+                for s, prefix in (("engine", ""), (NATIVE, "native_")):
+                    if (s, r) in got:
+                        rr.update(_round_ratios(got[(s, r)], p, cfg["parallel"], prefix))
             by_round.append(rr)
         if gguf is not None:
             ratios.update(_ratios(d, table, [x for x in by_round if x["dtype"] == d], cfg["parallel"]))
-        del eng
+        del eng, engines
     _share_rows(table, cpu.mem_bandwidth, cfg["tg"] // 2, kv_bytes)
     return harness.result(
         "llamacpp", quick, f"--dtype {dtype}" if dtype else "", table=table, ratios=harness.rounded(ratios),
@@ -236,6 +255,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
         tables={"round by round (engine and llama.cpp alternate; ratios > 1: the engine is faster)":
                 harness.rounded(by_round)},
         ceilings={"copy_GB_s": round(cpu.mem_bandwidth / 1e9, 2), "matmul_fp32_TFLOP_s": round(cpu.peak_flops / 1e12, 3)},
+        native_gemv=native_why,
         timeline=timeline, llamacpp={"skipped": skipped} if skipped else
         {"version": peer.version, "bin": str(peer.bin), "models": {SHORT[d]: str(peer.model(d)) for d in dtypes}},
         **harness.shared_cpu(" llama.cpp's tools run as separate processes with the same thread count (-t)."))
@@ -248,23 +268,34 @@ def _dtype_arg(dtype: str) -> str:
     return str(resolve_dtype(dtype, torch.device("cpu"))[0]).removeprefix("torch.")
 
 
-def _weights_label(system: str, d: str, gguf: Path | None, eng: EngineSide) -> str:
+def _weights_label(system: str, d: str, gguf: Path | None) -> str:
+    if system == NATIVE:
+        return f"{SHORT[d]}, native GEMV for decode rows"
     if system != "engine":
         return gguf.name
     return "int4 group 32 (torch int4 weight-only kernel)" if d.startswith("q4") else SHORT[d]
 
 
+def _round_ratios(e: dict, p: dict, parallel, prefix: str = "") -> dict:
+    """One round's engine figures `e` over llama.cpp's `p` (> 1: the engine is faster)."""
+    out = {f"{prefix}batch1_ratio": e["batch1_tok_s"] / p["batch1_tok_s"],
+           f"{prefix}prefill_ratio": e["prefill_tok_s"] / p["prefill_tok_s"]}
+    out.update({f"{prefix}parallel{n}_ratio": e["parallel_tok_s"][n] / p["parallel_tok_s"][n] for n in parallel})
+    return out
+
+
 def _ratios(d: str, table: list[dict], rounds: list[dict], parallel) -> dict:
-    k = SHORT[d]
-    e = next(t for t in table if t["dtype"] == d and t["system"] == "engine")
-    p = next(t for t in table if t["dtype"] == d and t["system"] != "engine")
-    out = {f"engine_vs_llamacpp_batch1_{k}": e["batch1_tok_s"] / p["batch1_tok_s"],
-           f"engine_vs_llamacpp_batch1_{k}_worst_round": min(x["batch1_ratio"] for x in rounds),
-           f"engine_vs_llamacpp_prefill_{k}": e["prefill_tok_s"] / p["prefill_tok_s"],
-           f"engine_vs_llamacpp_prefill_{k}_worst_round": min(x["prefill_ratio"] for x in rounds)}
-    for n in parallel:
-        out[f"engine_vs_llamacpp_parallel{n}_{k}"] = e[f"parallel{n}_tok_s"] / p[f"parallel{n}_tok_s"]
-        out[f"engine_vs_llamacpp_parallel{n}_{k}_worst_round"] = min(x[f"parallel{n}_ratio"] for x in rounds)
+    """Best round over best round and the worst paired round, for the engine (`engine_vs_llamacpp_*`) and, where it
+    ran, the engine with the native GEMV (`engine_native_vs_llamacpp_*`)."""
+    k, out = SHORT[d], {}
+    p = next(t for t in table if t["dtype"] == d and t["system"].startswith("llama.cpp"))
+    for system, name, prefix in (("engine", "engine", ""), (NATIVE, "engine_native", "native_")):
+        e = next((t for t in table if t["dtype"] == d and t["system"] == system), None)
+        if e is None:
+            continue
+        for w in ("batch1", "prefill", *(f"parallel{n}" for n in parallel)):
+            out[f"{name}_vs_llamacpp_{w}_{k}"] = e[f"{w}_tok_s"] / p[f"{w}_tok_s"]
+            out[f"{name}_vs_llamacpp_{w}_{k}_worst_round"] = min(x[f"{prefix}{w}_ratio"] for x in rounds)
     return out
 
 

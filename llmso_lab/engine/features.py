@@ -31,16 +31,27 @@ def attention_kind(model_config):
 def matmul_kernel(config, dtype: torch.dtype, device: torch.device) -> Callable | None:
     """What each weight matrix [in, out] becomes: a weight-only quantized matmul (`quantization=`, lecture 1-3:
     `quant.weight_only`; activations cast to bf16 for the kernel only), a oneDNN prepacked weight where that measured
-    faster on this CPU (`hardware.onednn_linear_available`), or None: plain `x @ w`."""
+    faster on this CPU (`hardware.onednn_linear_available`), or None: plain `x @ w`. With `LLMSO_LAB_NATIVE_GEMV=1`
+    (opt-in) decode-sized products go through the native GEMV first (`engine.native`)."""
     if config.quantization:
         from llmso_lab.quant.weight_only import quantize_weight
         method, group = config.quantization, config.quantization_group_size
         return lambda w_t: quantize_weight(w_t.t().float(), method, group_size=group)   # [in, out] -> [out, in]
     from llmso_lab import hardware as hw
+    base = None
     if hw.onednn_linear_available(dtype, device):
         from llmso_lab.engine.ops import OneDNNLinear
-        return OneDNNLinear
-    return None
+        base = OneDNNLinear
+    from llmso_lab.engine import native
+    if native.requested() and torch.device(device).type == "cpu":   # opt-in: LLMSO_LAB_NATIVE_GEMV=1
+        mod, why = native.load()
+        if mod is None:
+            import warnings
+            warnings.warn(f"{native.ENV}=1: {why}", stacklevel=2)
+        else:   # decode rows through the native GEMV, more rows through `base`
+            return lambda w_t: native.NativeGemvLinear(w_t, base(w_t) if base else w_t) if native.supports(w_t) \
+                else (base(w_t) if base else w_t)
+    return base
 
 
 def model_runner(model, config):
