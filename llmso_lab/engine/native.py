@@ -26,6 +26,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from llmso_lab.engine.ops import linear
+
 __all__ = ["load", "NativeGemvLinear", "requested", "enabled", "MAX_ROWS", "ENV"]
 
 SOURCE = Path(__file__).with_name("native_gemv.cpp")
@@ -101,7 +103,7 @@ class NativeGemvLinear:
     def __call__(self, x: Tensor) -> Tensor:
         if x.shape[0] <= self.max_rows and x.dtype == self.dtype:
             return self.mod.gemv(x.contiguous(), self.w)
-        return x @ self.big if isinstance(self.big, Tensor) else self.big(x)
+        return linear(x, self.big)
 
     @property
     def in_features(self) -> int:
