@@ -133,21 +133,22 @@ def test_bench_without_the_peer_measures_the_engine_alone(tmp_path, capsys):
     assert res["command"].endswith("--dtype float32")
 
 
-def test_bench_times_the_native_gemv_as_a_third_system(peer):
-    """With the opt-in native GEMV (where it builds) fp32 and bf16 get a third system and its own ratios; 4-bit not."""
+def test_bench_times_the_native_path_as_a_third_system(peer):
+    """With the opt-in native decode path (where it builds) every dtype gets a third system and its own ratios."""
     from llmso_lab.engine import native
     res = lc.run(quick=True, peer_dir=peer, native=True, dtypes=("float32", "q4_1"), **TINY)
-    assert res["native_gemv"] == native.load()[1]
+    assert res["native"] == native.load()[1]
     systems = [(r["dtype"], r["system"]) for r in res["table"]]
     if native.load()[0] is None:   # not buildable here: no third system, and the JSON says why
-        assert lc.NATIVE not in {s for _, s in systems} and res["native_gemv"]
+        assert lc.NATIVE not in {s for _, s in systems} and res["native"]
         return
     assert systems == [("float32", "engine"), ("float32", lc.NATIVE), ("float32", "llama.cpp 0000.0.0"),
-                       ("q4_1", "engine"), ("q4_1", "llama.cpp 0000.0.0")]
-    nat = next(r for r in res["table"] if r["system"] == lc.NATIVE)
-    assert nat["batch1_tok_s"] > 0 and nat["weights"] == "fp32, native GEMV for decode rows"
-    assert "engine_native_vs_llamacpp_batch1_fp32_worst_round" in res["ratios"]
-    assert not any(k.startswith("engine_native") and k.endswith("q4_1") for k in res["ratios"])
+                       ("q4_1", "engine"), ("q4_1", lc.NATIVE), ("q4_1", "llama.cpp 0000.0.0")]
+    nat = [r for r in res["table"] if r["system"] == lc.NATIVE]
+    assert all(r["batch1_tok_s"] > 0 for r in nat)
+    assert [r["weights"] for r in nat] == ["fp32, native decode step", "int4 group 32, native decode step"]
+    assert {"engine_native_vs_llamacpp_batch1_fp32_worst_round",
+            "engine_native_vs_llamacpp_batch1_q4_1_worst_round"} <= set(res["ratios"])
     assert [x["system"] for x in res["timeline"][:3]] == ["engine", lc.NATIVE, "llama.cpp"]   # one round: all three
 
 

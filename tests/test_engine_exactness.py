@@ -225,6 +225,7 @@ def test_decode_length_groups_match_hf(name, kwargs, monkeypatch):
     """Free groups: the torch backend splits every decode batch by block count, and tokens stay HF's."""
     from llmso_lab.engine import attention
 
+    monkeypatch.setenv("LLMSO_LAB_NATIVE", "0")   # the torch path's decode groups (the native path reads no groups)
     monkeypatch.setattr(attention.TorchAttentionBackend, "decode_group_cost", 0)
     calls = []
     split = attention.plan_decode_groups

@@ -1,6 +1,8 @@
-"""The optional native GEMV (`engine.native`, opt-in with LLMSO_LAB_NATIVE_GEMV=1): the kernel against torch, the
-routing of few rows to it and many rows to the engine's usual kernel, the engine's greedy tokens equal to Hugging
-Face's with it, and the fallback where it cannot be built. The first test compiles it (~25 s, once per machine)."""
+"""The optional native path (`engine.native`, opt-in with LLMSO_LAB_NATIVE=1): the GEMV against torch and its routing
+of few rows to it and many to the engine's usual kernel; the whole decode step (fp32 greedy tokens equal Hugging
+Face's, logits equal the torch path's on the same cache, int4 against the torch int4 path and the dequantized
+weights, what it refuses); the paged decode attention against SDPA; the fallback where it cannot be built. The first
+test compiles it (~30 s, once per machine and source)."""
 from __future__ import annotations
 
 import shutil
@@ -20,7 +22,7 @@ def test_load_builds_here_or_says_why():
     mod, why = native.load()
     if BUILDABLE:   # this machine kind (AVX-512, g++, ninja) must get the kernel
         assert mod is not None, why
-        assert why.startswith("native GEMV built for fp32")
+        assert why.startswith("native path built for fp32")
     else:
         assert mod is None and ("AVX-512" in why or "could not be built" in why or "x86-64" in why)
 
@@ -100,9 +102,227 @@ def test_engine_falls_back_with_a_warning_where_it_cannot_be_built(monkeypatch):
     from llmso_lab.engine import LLM
     from llmso_lab.models.tiny import tiny_llama
 
-    monkeypatch.setattr(native, "load", lambda: (None, "the native GEMV needs AVX-512 (this CPU has none)"))
+    monkeypatch.setattr(native, "load", lambda: (None, "the native path needs AVX-512 (this CPU has none)"))
     with native.enabled(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = LLM(tiny_llama(), None, dtype="float32", max_num_seqs=2, max_model_len=64)
-    assert any("LLMSO_LAB_NATIVE_GEMV=1: the native GEMV needs AVX-512" in str(w.message) for w in caught)
+    assert any("LLMSO_LAB_NATIVE=1: the native path needs AVX-512" in str(w.message) for w in caught)
     assert not isinstance(llm.model_runner.layers[0].gate_up, native.NativeGemvLinear)
+
+
+# ---- the whole decode step in C++ (`native.DecodeStep`) ------------------------------------------------------------
+
+def _tokens(llm, prompts, n=12):
+    from llmso_lab.engine import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _native_llm(model, **kw):
+    from llmso_lab.engine import LLM
+    with native.enabled():
+        llm = LLM(model, None, **kw)
+    assert (llm.model_runner.native_step is not None) == BUILDABLE, native.DecodeStep.unsupported(llm.model_runner)
+    return llm
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_native_step_greedy_equals_hf_fp32(batch):
+    """fp32: every decode step of up to 8 sequences runs in C++ (one call), and the tokens equal Hugging Face's.
+    Prompts cross block boundaries (block_size 16) so attention reads through the block table."""
+    from llmso_lab.engine.hf_reference import hf_greedy
+    from llmso_lab.models.tiny import tiny_llama
+
+    model = tiny_llama(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2)
+    prompts = [[5, 17, 99, 3], list(range(30, 58)), [42] * 9][:batch]
+    llm = _native_llm(model, dtype="float32", max_num_seqs=4, max_model_len=128, block_size=16)
+    assert _tokens(llm, prompts, 24) == [hf_greedy(model, p, 24) for p in prompts]
+    if BUILDABLE:   # prefills ran in torch, every decode step here
+        assert llm.model_runner.native_step.num_steps == 23
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_step_logits_match_the_torch_path(dtype):
+    """The same decode batch through the C++ step and through torch, on the same runner and cache: fp32 equal up to
+    summation order; bf16 within a few bf16 roundings (both round where torch rounds), same argmax."""
+    from llmso_lab.models.tiny import tiny_llama
+
+    mod = _module()
+    if mod is None or (dtype == "bfloat16" and not mod.has_bf16()):
+        return
+    model = tiny_llama(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, initializer_range=0.05)
+    llm = _native_llm(model, dtype=dtype, max_num_seqs=2, max_model_len=128, block_size=16)
+    runner = llm.model_runner
+    _tokens(llm, [list(range(3, 40)), [7] * 20], 2)   # fill the cache: 38 and 21 tokens
+    from llmso_lab.engine.model_runner import BatchRow
+    rows = [BatchRow([11], 38, [0, 1, 2]), BatchRow([12], 21, [3, 4])]
+    args = runner.prepare_rows(rows, num_decodes=2)
+    # (the blocks above are the ones the two finished sequences used; their cache content is what decode reads)
+    step, runner.native_step = runner.native_step, None
+    want, want_hidden = runner.forward(*args), runner.last_hidden
+    runner.native_step = step
+    got = runner.forward(*args)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    if dtype == "float32":
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(runner.last_hidden, want_hidden, rtol=1e-4, atol=1e-4)
+    else:
+        assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert runner.last_hidden.dtype == torch.bfloat16
+
+
+def test_native_step_takes_only_plain_decode_steps():
+    """Prefills, batches past STEP_MAX_ROWS and a runner with a hook go through torch; an unsupported runner gets none."""
+    from llmso_lab.engine import LLM
+    from llmso_lab.engine.hf_reference import hf_greedy
+    from llmso_lab.models.tiny import tiny_llama
+
+    if not BUILDABLE:
+        return
+    model = tiny_llama(num_layers=2, hidden_size=64)
+    prompts = [[i, i + 1, i + 2] for i in range(10, 20)]   # 10 sequences: more than STEP_MAX_ROWS decode together
+    llm = _native_llm(model, dtype="float32", max_num_seqs=10, max_model_len=64)
+    assert _tokens(llm, prompts, 6) == [hf_greedy(model, p, 6) for p in prompts]
+    assert llm.model_runner.native_step.num_steps == 0
+    hooked = _native_llm(model, dtype="float32", max_num_seqs=2, max_model_len=64)
+    hooked.model_runner.kv_hook = lambda i: None
+    assert _tokens(hooked, prompts[:1], 6) == [hf_greedy(model, prompts[0], 6)]
+    assert hooked.model_runner.native_step.num_steps == 0
+    for kw, why in ((dict(attention_backend="triton"), "runs its own kernels"),
+                    (dict(kv_cache_dtype="int8"), "plain paged KV cache")):
+        with native.enabled():
+            llm = LLM(model, None, dtype="float32", max_num_seqs=2, max_model_len=64, **kw)
+        assert llm.model_runner.native_step is None
+        assert why in native.DecodeStep.unsupported(llm.model_runner)
+    with native.enabled(False):
+        assert LLM(model, None, dtype="float32", max_num_seqs=2, max_model_len=64).model_runner.native_step is None
+
+
+def test_native_step_refuses_bad_input_clearly():
+    mod = _module()
+    if mod is None:
+        return
+    from llmso_lab.models.tiny import tiny_llama
+
+    llm = _native_llm(tiny_llama(), dtype="float32", max_num_seqs=2, max_model_len=64, block_size=16)
+    step = llm.model_runner.native_step.step
+    i64 = dict(dtype=torch.int64)
+    ok = (torch.tensor([5], **i64), torch.tensor([0], **i64), torch.tensor([0], **i64),
+          torch.zeros(1, 4, dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+    step.run(*ok)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        step.run(torch.tensor([10 ** 6], **i64), *ok[1:])
+    with pytest.raises(RuntimeError, match="past the RoPE table"):
+        step.run(ok[0], torch.tensor([10 ** 6], **i64), *ok[2:])
+    with pytest.raises(RuntimeError, match="does not fit the block table"):
+        step.run(*ok[:4], torch.tensor([65], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="int32"):
+        step.run(*ok[:3], torch.zeros(1, 4, dtype=torch.int64), ok[4])
+    w = torch.zeros(3, 64)
+    with pytest.raises(RuntimeError, match="10 tensors per layer"):
+        mod.Step([w], torch.zeros(256, 64), torch.zeros(64), torch.zeros(256, 64), torch.empty(0), torch.zeros(8, 16),
+                 torch.zeros(8, 16), [torch.zeros(2, 16, 2, 16)], [torch.zeros(2, 16, 2, 16)], 4, 2, 16, 1e-5, 0.25)
+
+
+@pytest.mark.parametrize("hidden", [64, 256])
+def test_native_step_int4_equals_the_torch_int4_path(hidden):
+    """quantization="int4" (group 32): the step unpacks the same codes, bf16 scales and zeros as torch's int4 kernel
+    and rounds where it rounds, so greedy tokens equal the torch path's. hidden 256 runs the zeros' vector loop, 64
+    only its tail."""
+    from llmso_lab.engine import LLM
+    from llmso_lab.models.tiny import tiny_llama
+
+    model = tiny_llama(num_layers=2, hidden_size=hidden, num_heads=4, num_kv_heads=2, initializer_range=0.05)
+    prompts = [[5, 17, 99, 3], list(range(30, 60))]
+    kw = dict(dtype="float32", quantization="int4", max_num_seqs=2, max_model_len=128)
+    llm = _native_llm(model, **kw) if BUILDABLE else LLM(model, None, **kw)
+    with native.enabled(False):
+        plain = LLM(model, None, **kw)
+    assert plain.model_runner.native_step is None
+    for batch in ([prompts[0]], prompts):
+        assert _tokens(llm, batch, 16) == _tokens(plain, batch, 16)
+    if BUILDABLE:
+        assert llm.model_runner.native_step.num_steps == 30
+
+
+def test_native_step_int4_logits_match_the_dequantized_weights():
+    """An independent reference for the int4 kernel: one decode step's logits against the torch path run on the
+    dequantized fp32 weights (what the codes, scales and zeros mean), within bf16 rounding of the matmul inputs."""
+    mod = _module()
+    if mod is None or not mod.has_bf16():
+        return
+    from llmso_lab.engine.model_runner import BatchRow
+    from llmso_lab.models.tiny import tiny_llama
+
+    model = tiny_llama(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, initializer_range=0.05)
+    llm = _native_llm(model, dtype="float32", quantization="int4", max_num_seqs=1, max_model_len=64)
+    runner = llm.model_runner
+    _tokens(llm, [list(range(3, 30))], 1)
+    args = runner.prepare_rows([BatchRow([11], 27, [0, 1])], num_decodes=1)
+    got = runner.forward(*args)
+    assert runner.native_step.num_steps == 1
+    for w in runner.layers:   # the same runner on the weights the int4 codes stand for, through torch
+        w.attn.qkv, w.attn.o = w.attn.qkv.dequantize().t(), w.attn.o.dequantize().t()
+        w.gate_up, w.down = w.gate_up.dequantize().t(), w.down.dequantize().t()
+    runner.lm_head, runner.native_step = runner.lm_head.dequantize().t(), None
+    want = runner.forward(*args)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.02
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_matches_sdpa_on_gathered_blocks(dtype):
+    """The native path's decode attention for the torch backend: each row's keys read through its block table
+    (blocks shuffled over the cache, contexts ending mid-block, GQA, a sliding window) against SDPA on the gathered
+    keys; q as the runner hands it over, a strided view of the q/k projection."""
+    import torch.nn.functional as F
+
+    mod = _module()
+    if mod is None or (dtype == torch.bfloat16 and not mod.has_bf16()):
+        return
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, bs, nblocks = 3, 6, 2, 64, 16, 20
+    kc = torch.randn(nblocks, bs, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(nblocks, bs, Hkv, D, generator=g).to(dtype)
+    ctx = [37, 1, 64]
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    tables = torch.tensor([perm[0:4], perm[4:8], perm[8:12]], dtype=torch.int32)
+    qk = torch.randn(B, H + Hkv, D, generator=g).to(dtype)
+    q = qk[:, :H]                                    # strided rows, as `LlamaAttention.project` returns q
+    for window in (0, 5):
+        got = mod.paged_decode(q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32), D ** -0.5, window)
+        for b in range(B):
+            keys = kc[tables[b].long()].reshape(-1, Hkv, D)[:ctx[b]]
+            vals = vc[tables[b].long()].reshape(-1, Hkv, D)[:ctx[b]]
+            if window:
+                keys, vals = keys[-window:], vals[-window:]
+            want = F.scaled_dot_product_attention(q[b, :, None].double(), keys.transpose(0, 1).double(),
+                                                  vals.transpose(0, 1).double(), enable_gqa=True)[:, 0]
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got[b].double(), want, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="does not fit the block table"):
+        mod.paged_decode(q, kc, vc, tables, torch.tensor([65, 1, 1], dtype=torch.int32), 0.125, 0)
+
+
+def test_native_decode_attention_serves_batches_the_step_does_not_take():
+    """Past STEP_MAX_ROWS decode rows the torch path runs, its decode attention through `paged_decode` (no gather): the
+    tokens still equal Hugging Face's, in a sliding-window model too."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from llmso_lab.engine.hf_reference import hf_greedy
+
+    if not BUILDABLE:
+        return
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(   # sliding window 7: the decode rows read only their last 7 keys
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, sliding_window=7, eos_token_id=2,
+        bos_token_id=1, pad_token_id=0, attn_implementation="eager")).eval()
+    prompts = [[i, i + 3, i + 5, i + 1] * 3 for i in range(10, 20)]
+    from llmso_lab.engine import LLM
+    with native.enabled():
+        llm = LLM(model, None, dtype="float32", max_num_seqs=10, max_model_len=64, block_size=16)
+    assert llm.model_runner.backend.native_decode is not None and llm.model_runner.native_step is None
+    assert _tokens(llm, prompts, 10) == [hf_greedy(model, p, 10) for p in prompts]

@@ -303,7 +303,7 @@ def test_bench_alternates_in_time_and_measures_agreement(tmp_path, fake, monkeyp
         return {"name": w["name"], "wall_s": 0.1, "requests": reqs}
 
     monkeypatch.setattr(bench, "_engine_workload", fake_engine)
-    res = bench.run(quick=True, python=sys.executable, script=fake, **TINY)
+    res = bench.run(quick=True, python=sys.executable, script=fake, native=False, **TINY)
     order = log.read_text().splitlines()   # the engine logs its timed continuous runs (not its warm-ups)
     assert order == ["load bfloat16", "engine bfloat16", "vllm bfloat16 round 1", "engine bfloat16",
                      "vllm bfloat16 round 2", "load float32", "engine float32", "vllm float32 round 1",
@@ -329,7 +329,7 @@ def test_bench_json_shape_on_the_tiny_model(fake, capsys):
     """The real engine on the tiny model against the fake peer: every figure and ratio the bench promises."""
     from llmso_lab.bench.vllm import run
 
-    res = run(quick=True, python=sys.executable, script=fake, **TINY)
+    res = run(quick=True, python=sys.executable, script=fake, native=False, **TINY)
     json.dumps(res)
     assert res["name"] == "vllm" and res["dtypes"] == ["bfloat16", "float32"]
     assert [(r["dtype"], r["system"]) for r in res["table"]] == [
@@ -374,13 +374,36 @@ def test_bench_json_shape_on_the_tiny_model(fake, capsys):
 def test_bench_without_the_venv_measures_the_engine_alone(tmp_path, capsys):
     from llmso_lab.bench.vllm import run
 
-    res = run(quick=True, dtype="float32", python=tmp_path / "no" / "python", **TINY)
+    res = run(quick=True, dtype="float32", python=tmp_path / "no" / "python", native=False, **TINY)
     assert "make peers-vllm" in capsys.readouterr().out
     assert res["ratios"] == {} and "make peers-vllm" in res["vllm"]["skipped"]
     assert [(r["dtype"], r["system"]) for r in res["table"]] == [("float32", "engine")]
     assert [(x["system"], x["round"]) for x in res["timeline"]] == [("engine", 1), ("engine", 2)]
     assert res["table"][0]["output_tok_s"] > 0 and res["command"].endswith("--dtype float32")
     json.dumps(res)
+
+
+def test_bench_times_the_native_path_as_a_third_system(fake):
+    """Where the native path builds, the engine with it is a third system in the same alternation, with its own
+    ratios against vLLM."""
+    from llmso_lab.bench import vllm as bench
+    from llmso_lab.engine import native
+
+    res = bench.run(quick=True, dtype="float32", python=sys.executable, script=fake, native=True, **TINY)
+    assert res["native"] == native.load()[1]
+    if native.load()[0] is None:   # not buildable here: no third system, and the JSON says why
+        assert bench.NATIVE not in {r["system"] for r in res["table"]}
+        return
+    assert [r["system"] for r in res["table"]] == ["engine", bench.NATIVE, "vLLM 0.32.0"]
+    assert [(x["round"], x["system"]) for x in res["timeline"]] == [
+        (1, "engine"), (1, bench.NATIVE), (1, "vllm"), (2, "engine"), (2, bench.NATIVE), (2, "vllm")]
+    assert res["timeline"] and [tuple(x) for x in bench.schedule(("float32",), 2, native=True)] == [
+        ("float32", r, s) for r in (1, 2) for s in ("engine", bench.NATIVE, "vllm")]
+    for w in ("continuous_fp32", "batch1_fp32", "prefix_ttft_p50_fp32"):
+        assert res["ratios"][f"engine_native_vs_vllm_{w}"] > 0
+        assert res["ratios"][f"engine_native_vs_vllm_{w}_worst_round"] > 0
+    rounds = res["tables"]["round by round (engine and vLLM alternate; ratios > 1: the engine is better)"]
+    assert all(x["native_batch1_tok_s"] > 0 and x["native_continuous_ratio"] > 0 for x in rounds)
 
 
 def test_cli_knows_the_bench_and_its_dtype():

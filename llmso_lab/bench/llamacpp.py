@@ -6,6 +6,7 @@ What each side runs (greedy; random prompt tokens; llama.cpp's own benchmark too
   The engine: a 1-token prompt and `tg + 1` output tokens, EOS ignored; its rate is 1 / TPOT (the first token is
   the prompt's, as in llama-bench, which times decode only);
 - prefill (`llama-bench -p pp`): one `pp`-token prompt; the engine's rate is pp / TTFT;
+  both rates of both systems are means over `reps` runs (llama-bench's `-r`);
 - parallel sequences (`llama-batched-bench -npp npp -ntg ntg -npl 1,4,16`): `npl` prompts of `npp` tokens
   prefilled together, then `ntg` decode steps of the whole batch; its S_TG = npl * ntg / (time of the decode
   steps). The engine: `npl` requests arriving together (one prefill step: max_num_batched_tokens >= npl * npp), each
@@ -14,9 +15,10 @@ Dtypes: fp32 and bf16 (llama.cpp: the cached SmolLM2 converted to f32 / bf16 GGU
 (the engine's `quantization="int4"`, group 32, torch's int4 weight-only kernel; llama.cpp: the cached Q4_1 GGUF,
 the file the SmolLM2 weights come from, and Q4_0 made by `llama-quantize` where the peer built it).
 
-In fp32 and bf16 a third system runs where it builds on this machine: the engine with its opt-in native GEMV for
-decode rows (`engine.native`, `LLMSO_LAB_NATIVE_GEMV=1`), ratios `engine_native_vs_llamacpp_*` (`native=False`
-leaves it out; `native_gemv` in the JSON says whether it ran and why).
+A third system runs where it builds on this machine: the engine with its opt-in native decode path (`engine.native`,
+`LLMSO_LAB_NATIVE=1`: a decode step of up to a few sequences as one C++ call, the GEMV for other decode-sized
+products), ratios `engine_native_vs_llamacpp_*` (`native=False` leaves it out; `native` in the JSON says whether it
+ran and why).
 
 Alternation: per dtype, rounds of (engine, llama.cpp, ...); every llama.cpp tool is a fresh process (it mmaps the
 GGUF and runs its own warm-up), the engine is built and warmed up once per dtype. Both use this process's torch
@@ -34,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import statistics
 import time
 from pathlib import Path
 
@@ -46,7 +49,7 @@ __all__ = ["run", "FULL", "QUICK", "LlamaCpp", "default_peer_dir", "missing_peer
 FULL = dict(tg=128, pp=512, npp=128, ntg=128, parallel=(1, 4, 16), rounds=3, reps=3)
 QUICK = dict(tg=32, pp=128, npp=32, ntg=16, parallel=(1, 4), rounds=2, reps=1)
 DTYPES = ("float32", "bfloat16", "q4_1", "q4_0")
-NATIVE = "engine + native GEMV"   # the engine with `engine.native` (opt-in), a third system in fp32 and bf16
+NATIVE = "engine + native step"   # the engine with `engine.native` (opt-in), a third system
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "q4_1": "q4_1", "q4_0": "q4_0"}
 GGUF_KEY = {"float32": "f32", "bfloat16": "bf16", "q4_0": "q4_0"}   # peer.json's models; q4_1 is the cached GGUF
 
@@ -122,15 +125,15 @@ class LlamaCpp:
 
 class EngineSide:
     """The engine in one dtype (fp32, bf16, or int4 weight-only for the 4-bit rows), built and warmed up once;
-    `native`: with the opt-in native GEMV for decode rows (`engine.native`)."""
+    `native`: with the opt-in native decode path (`engine.native`)."""
 
     def __init__(self, net, tokenizer, dtype: str, cfg: dict, native: bool = False) -> None:
         from llmso_lab.engine import LLM
-        from llmso_lab.engine import native as native_gemv
+        from llmso_lab.engine import native as native_path
 
         kw = dict(dtype="float32", quantization="int4") if dtype.startswith("q4") else dict(dtype=dtype)
         batch = max(cfg["parallel"])
-        with native_gemv.enabled(native):
+        with native_path.enabled(native):
             self.llm = LLM(net, tokenizer, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * cfg["npp"]),
                            max_model_len=max(cfg["pp"], cfg["npp"] + cfg["ntg"], cfg["tg"]) + 8,
                            enable_prefix_caching=False, seed=0, **kw)
@@ -147,14 +150,17 @@ class EngineSide:
 
     def round(self) -> dict:
         c = self.cfg
-        b1 = self._generate([self.prompts[0][:1]], c["tg"] + 1)[0].metrics
-        pre = self._generate([self.prompts[0][:c["pp"]]], 1)[0].metrics
+        # the mean over `reps` runs, as llama-bench reports its mean over `-r reps` repetitions
+        b1 = statistics.mean(1.0 / self._generate([self.prompts[0][:1]], c["tg"] + 1)[0].metrics.tpot
+                             for _ in range(c["reps"]))
+        pre = statistics.mean(c["pp"] / self._generate([self.prompts[0][:c["pp"]]], 1)[0].metrics.ttft
+                              for _ in range(c["reps"]))
         par = {}
         for n in c["parallel"]:
             ms = [o.metrics for o in self._generate([p[:c["npp"]] for p in self.prompts[1:n + 1]], c["ntg"] + 1)]
             t_tg = max(m.finish_time for m in ms) - max(m.first_token_time for m in ms)
             par[n] = n * c["ntg"] / t_tg
-        return {"batch1_tok_s": 1.0 / b1.tpot, "prefill_tok_s": c["pp"] / pre.ttft, "parallel_tok_s": par}
+        return {"batch1_tok_s": b1, "prefill_tok_s": pre, "parallel_tok_s": par}
 
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads: every matmul's stored weight (prepacked, quantized or plain)
@@ -177,10 +183,10 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
         **overrides) -> dict:
     """Run the engine-vs-llama.cpp benchmark (`dtype`/`dtypes`: a subset of fp32, bf16, q4_1, q4_0; default all
     the peer has; `peer_dir`: the built peer, default `default_peer_dir()`; `native`: also time the engine with its
-    opt-in native GEMV in fp32 and bf16 (None: where it builds here; `engine.native`); `overrides` replace FULL /
+    opt-in native decode path (None: where it builds here; `engine.native`); `overrides` replace FULL /
     QUICK)."""
     from llmso_lab import hardware as hw
-    from llmso_lab.engine import native as native_gemv
+    from llmso_lab.engine import native as native_path
     from llmso_lab.models import load_model
     from llmso_lab.models.shapes import ModelShape
 
@@ -196,8 +202,8 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
                                                           or peer is not None and peer.model(d) is not None)
     net, tokenizer = load_model(model)
     shape = ModelShape.from_hf_config(net.config, name=model)
-    native_mod, native_why = native_gemv.load() if native is not False else (None, "not asked for (native=False)")
-    native = native_mod is not None   # asked for but not buildable here: timed without it, `native_gemv` says why
+    native_mod, native_why = native_path.load() if native is not False else (None, "not asked for (native=False)")
+    native = native_mod is not None   # asked for but not buildable here: timed without it, `native` says why
     cpu = hw.measure_cpu(seconds=1.0 if quick else 3.0)   # before any round: the copy bandwidth the shares use
     table, by_round, ratios, timeline, t_start = [], [], {}, [], time.perf_counter()
     kv_bytes = {}
@@ -205,7 +211,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
         eng = EngineSide(net, tokenizer, d, cfg)
         gguf = peer.model(d) if peer is not None else None
         systems, engines = {"engine": eng.round}, {"engine": eng}
-        if native and d in ("float32", "bfloat16"):
+        if native:
             engines[NATIVE] = EngineSide(net, tokenizer, d, cfg, native=True)
             systems[NATIVE] = engines[NATIVE].round
         if gguf is not None:
@@ -254,7 +260,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
         tables={"round by round (engine and llama.cpp alternate; ratios > 1: the engine is faster)":
                 harness.rounded(by_round)},
         ceilings={"copy_GB_s": round(cpu.mem_bandwidth / 1e9, 2), "matmul_fp32_TFLOP_s": round(cpu.peak_flops / 1e12, 3)},
-        native_gemv=native_why,
+        native=native_why,
         timeline=timeline, llamacpp={"skipped": skipped} if skipped else
         {"version": peer.version, "bin": str(peer.bin), "models": {SHORT[d]: str(peer.model(d)) for d in dtypes}},
         **harness.shared_cpu(" llama.cpp's tools run as separate processes with the same thread count (-t)."))
@@ -269,7 +275,7 @@ def _dtype_arg(dtype: str) -> str:
 
 def _weights_label(system: str, d: str, gguf: Path | None) -> str:
     if system == NATIVE:
-        return f"{SHORT[d]}, native GEMV for decode rows"
+        return f"{'int4 group 32' if d.startswith('q4') else SHORT[d]}, native decode step"
     if system != "engine":
         return gguf.name
     return "int4 group 32 (torch int4 weight-only kernel)" if d.startswith("q4") else SHORT[d]
@@ -285,7 +291,7 @@ def _round_ratios(e: dict, p: dict, parallel, prefix: str = "") -> dict:
 
 def _ratios(d: str, table: list[dict], rounds: list[dict], parallel) -> dict:
     """Best round over best round and the worst paired round, for the engine (`engine_vs_llamacpp_*`) and, where it
-    ran, the engine with the native GEMV (`engine_native_vs_llamacpp_*`)."""
+    ran, the engine with its native decode path (`engine_native_vs_llamacpp_*`)."""
     k, out = SHORT[d], {}
     p = next(t for t in table if t["dtype"] == d and t["system"].startswith("llama.cpp"))
     for system, name, prefix in (("engine", "engine", ""), (NATIVE, "engine_native", "native_")):

@@ -37,6 +37,11 @@ vLLM's TTFT p50 over the engine's), each with `_worst_round` (the worst paired r
 `tokens_equal_<workload>_<dtype>`: greedy agreement, the share of the engine's tokens that vLLM matched before
 each request's first divergence (`precision.greedy_agreement`, round 1's outputs).
 
+A third system runs where it builds on this machine: the engine with its opt-in native path (`engine.native`,
+`LLMSO_LAB_NATIVE=1`: decode steps of up to a few sequences as one C++ call, decode attention read through the block
+tables), in the same alternation, ratios `engine_native_vs_vllm_*` (`native=False` leaves it out; `native` in the
+JSON says whether it ran and why).
+
 Without `.venv-vllm` the bench says how to build it and measures the engine alone (no ratios).
 """
 from __future__ import annotations
@@ -61,13 +66,17 @@ FULL = dict(workload=batching.FULL, prefix=dict(num_requests=32, prefix_tokens=5
 QUICK = dict(workload=batching.QUICK, prefix=dict(num_requests=12, prefix_tokens=256, max_tokens=16), batch1_repeats=2,
              rounds=2, max_num_batched_tokens=2048, block_size=32, kv_cache_memory_bytes=1 << 30)
 SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+NATIVE = "engine + native path"   # the engine with `engine.native` (opt-in, LLMSO_LAB_NATIVE=1): a third system
 WORKLOADS = ("continuous", "batch1", "prefix")
 
 
-def schedule(dtypes, rounds: int, with_vllm: bool = True) -> list[tuple[str, int, str]]:
+def schedule(dtypes, rounds: int, with_vllm: bool = True, native: bool = False) -> list[tuple[str, int, str]]:
     """The order of the timed turns: (dtype, round, system); per dtype the systems alternate round by round."""
-    systems = ("engine", "vllm") if with_vllm else ("engine",)
-    return [(d, r, s) for d in dtypes for r in range(1, rounds + 1) for s in systems]
+    return [(d, r, s) for d in dtypes for r in range(1, rounds + 1) for s in _systems(with_vllm, native)]
+
+
+def _systems(with_vllm: bool, native: bool) -> tuple[str, ...]:
+    return ("engine",) + ((NATIVE,) if native else ()) + (("vllm",) if with_vllm else ())
 
 
 def engine_settings(cfg: dict, dtype: str, max_model_len: int) -> dict:
@@ -179,30 +188,33 @@ def _model_folder(model: str, net) -> Iterator[Path]:
 
 
 def _measure(net, tokenizer, dtypes, cfg: dict, inputs: dict, model_dir: Path, python: Path, script,
-             with_vllm: bool) -> tuple[dict, list[dict], dict]:
+             with_vllm: bool, native: bool = False) -> tuple[dict, list[dict], dict]:
     """The timed turns (`schedule`). Per dtype one vLLM peer is loaded, compiled and warmed up before its first turn
     and closed after its last (freeing its cores); then the engine and vLLM alternate round by round, the engine
     warmed up untimed on a fresh engine before each of its turns. Returns ({(dtype, system, round): the turn's
     `_round_figures`}, the timeline, each dtype's peer start-up report)."""
-    systems = ("engine", "vllm") if with_vllm else ("engine",)
+    from llmso_lab.engine import native as native_path
+
+    systems = _systems(with_vllm, native)
     workloads, warm = inputs["workloads"], inputs["warm"]
     t_start, timeline, figures, peers = time.perf_counter(), [], {}, {}
-    bar = tqdm(total=len(schedule(dtypes, cfg["rounds"], with_vllm)), desc="bench vllm")
+    bar = tqdm(total=len(schedule(dtypes, cfg["rounds"], with_vllm, native)), desc="bench vllm")
 
     def turn(d: str, kw: dict, peer, s: str, r: int) -> dict:
         with harness.phase(bar, f"{d} round {r} {s}"):
             cpu0 = peer.cpu_seconds() if peer is not None else None
-            if s == "engine":
-                _engine_workload(net, tokenizer, warm, kw)   # warm-up on a fresh engine, untimed
-            t0 = time.perf_counter()
-            if s == "engine":
-                res = {x["name"]: _engine_workload(net, tokenizer, x, kw) for x in workloads}
-            else:
-                res = {x["name"]: x for x in peer.run(workloads, round=r)}
+            with native_path.enabled(s == NATIVE):   # the plain engine without it whatever the environment says
+                if s != "vllm":
+                    _engine_workload(net, tokenizer, warm, kw)   # warm-up on a fresh engine, untimed
+                t0 = time.perf_counter()
+                if s != "vllm":
+                    res = {x["name"]: _engine_workload(net, tokenizer, x, kw) for x in workloads}
+                else:
+                    res = {x["name"]: x for x in peer.run(workloads, round=r)}
             t1 = time.perf_counter()
             event = {"dtype": d, "round": r, "system": s, "start_s": round(t0 - t_start, 3),
                      "end_s": round(t1 - t_start, 3)}
-            if s == "engine" and cpu0 is not None:   # the peer should sleep while the engine runs
+            if s != "vllm" and cpu0 is not None:   # the peer should sleep while the engine runs
                 cpu1 = peer.cpu_seconds()
                 event["peer_cpu_s_during_engine"] = round(cpu1 - cpu0, 2) if cpu1 is not None else None
             timeline.append(event)
@@ -248,17 +260,23 @@ def _best_row(d: str, label: str, mine: list[dict], bound: dict) -> dict:
     return row
 
 
-def _round_row(d: str, r: int, e: dict, v: dict | None, timeline: list[dict]) -> dict:
-    """Round `r` of dtype `d`: the engine's figures `e`, and with vLLM's `v` the paired ratios (> 1: the engine is
-    better) and the CPU seconds the peer used during the engine's turn."""
+def _round_row(d: str, r: int, e: dict, v: dict | None, timeline: list[dict], n: dict | None = None) -> dict:
+    """Round `r` of dtype `d`: the engine's figures `e` (and `n`, the engine with its native path, where it ran), and
+    with vLLM's `v` the paired ratios (> 1: the engine is better) and the CPU seconds the peer used during the
+    engine's turn."""
     row = {"dtype": d, "round": r, "engine_tok_s": e["continuous"]["output_tok_s"],
            "engine_batch1_tok_s": e["batch1_tok_s"], "engine_prefix_ttft_p50_s": e["prefix"]["ttft_p50_s"]}
+    if n is not None:
+        row.update(native_tok_s=n["continuous"]["output_tok_s"], native_batch1_tok_s=n["batch1_tok_s"],
+                   native_prefix_ttft_p50_s=n["prefix"]["ttft_p50_s"])
     if v is not None:
         row.update(vllm_tok_s=v["continuous"]["output_tok_s"], vllm_batch1_tok_s=v["batch1_tok_s"],
-                   vllm_prefix_ttft_p50_s=v["prefix"]["ttft_p50_s"],
-                   continuous_ratio=e["continuous"]["output_tok_s"] / v["continuous"]["output_tok_s"],
-                   batch1_ratio=e["batch1_tok_s"] / v["batch1_tok_s"],
-                   prefix_ttft_ratio=v["prefix"]["ttft_p50_s"] / e["prefix"]["ttft_p50_s"])
+                   vllm_prefix_ttft_p50_s=v["prefix"]["ttft_p50_s"])
+        for prefix, x in (("", e), ("native_", n)):
+            if x is not None:
+                row.update({f"{prefix}continuous_ratio": x["continuous"]["output_tok_s"] / v["continuous"]["output_tok_s"],
+                            f"{prefix}batch1_ratio": x["batch1_tok_s"] / v["batch1_tok_s"],
+                            f"{prefix}prefix_ttft_ratio": v["prefix"]["ttft_p50_s"] / x["prefix"]["ttft_p50_s"]})
         ev = next(x for x in timeline if (x["dtype"], x["round"], x["system"]) == (d, r, "engine"))
         row["peer_cpu_s_during_engine"] = ev.get("peer_cpu_s_during_engine")
     return row
@@ -275,15 +293,20 @@ def _compare(d: str, e1: dict, v1: dict, table: list[dict], by_round: list[dict]
                           "identical": round(a["identical"], 3),
                           "first_divergence_median": statistics.median(div) if div else "-"})
         ratios[f"tokens_equal_{name}_{k}"] = a["tokens_equal"]
-    tab = {t["system"] == "engine": t for t in table if t["dtype"] == d}
+    rows = {t["system"]: t for t in table if t["dtype"] == d}
+    v = next(t for name, t in rows.items() if name.startswith("vLLM"))
     mine = [x for x in by_round if x["dtype"] == d]
-    ratios[f"engine_vs_vllm_continuous_{k}"] = tab[True]["output_tok_s"] / tab[False]["output_tok_s"]
-    ratios[f"engine_vs_vllm_continuous_{k}_worst_round"] = min(x["continuous_ratio"] for x in mine)
-    ratios[f"engine_vs_vllm_batch1_{k}"] = tab[True]["batch1_tok_s"] / tab[False]["batch1_tok_s"]
-    ratios[f"engine_vs_vllm_batch1_{k}_worst_round"] = min(x["batch1_ratio"] for x in mine)
-    pk = "engine_vs_vllm_prefix_ttft_p50" + ("" if d == "bfloat16" else f"_{k}")
-    ratios[pk] = tab[False]["prefix_ttft_p50_s"] / tab[True]["prefix_ttft_p50_s"]
-    ratios[pk + "_worst_round"] = min(x["prefix_ttft_ratio"] for x in mine)
+    for system, name, prefix in (("engine", "engine", ""), (NATIVE, "engine_native", "native_")):
+        if system not in rows:
+            continue
+        e = rows[system]
+        ratios[f"{name}_vs_vllm_continuous_{k}"] = e["output_tok_s"] / v["output_tok_s"]
+        ratios[f"{name}_vs_vllm_continuous_{k}_worst_round"] = min(x[f"{prefix}continuous_ratio"] for x in mine)
+        ratios[f"{name}_vs_vllm_batch1_{k}"] = e["batch1_tok_s"] / v["batch1_tok_s"]
+        ratios[f"{name}_vs_vllm_batch1_{k}_worst_round"] = min(x[f"{prefix}batch1_ratio"] for x in mine)
+        pk = f"{name}_vs_vllm_prefix_ttft_p50" + ("" if d == "bfloat16" else f"_{k}")
+        ratios[pk] = v["prefix_ttft_p50_s"] / e["prefix_ttft_p50_s"]
+        ratios[pk + "_worst_round"] = min(x[f"{prefix}prefix_ttft_ratio"] for x in mine)
     return agreement, ratios
 
 
@@ -300,10 +323,12 @@ def _vllm_info(peers: dict, skipped: str | None) -> dict:
 
 def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None = None,
         dtypes: tuple[str, ...] | None = None, python: str | Path | None = None,
-        script: str | Path = vr.PEER_SCRIPT, **overrides) -> dict:
+        script: str | Path = vr.PEER_SCRIPT, native: bool | None = None, **overrides) -> dict:
     """Run the engine-vs-vLLM benchmark. `dtype` (the CLI's --dtype) or `dtypes` choose the dtypes (default bf16 and
-    fp32); `python` / `script`: the peer's interpreter and script (the tests use a fake); `overrides` replace entries
-    of FULL / QUICK (the tests use `model="tiny-llama"` and tiny sizes)."""
+    fp32); `python` / `script`: the peer's interpreter and script (the tests use a fake); `native`: also time the
+    engine with its opt-in native path (`engine.native`) as a third system (None: where it builds here); `overrides`
+    replace entries of FULL / QUICK (the tests use `model="tiny-llama"` and tiny sizes)."""
+    from llmso_lab.engine import native as native_path
     from llmso_lab.engine.config import resolve_dtype
     from llmso_lab.models import load_model
 
@@ -318,16 +343,19 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None =
         skipped = None if python.exists() else vr.missing_venv_message(python)
         if skipped:
             print(skipped + " -- measuring the engine alone")
+        native_why = native_path.load()[1] if native is not False else "not asked for (native=False)"
+        native = native is not False and native_path.load()[0] is not None
         figures, timeline, peers = _measure(net, tokenizer, dtypes, cfg, inputs, model_dir, python, script,
-                                            with_vllm=skipped is None)
-    systems = ("engine", "vllm") if skipped is None else ("engine",)
+                                            with_vllm=skipped is None, native=native)
+    systems = _systems(skipped is None, native)
     bounds = _roofline_bounds(net, model, dtypes, inputs["reqs"], w["max_num_seqs"], 32 + w["batch1_tokens"] // 2,
                               cfg.get("measure_seconds", 1.0 if quick else 3.0))
     table, by_round, agreement, ratios = [], [], [], {}
     for d in dtypes:
-        table += [_best_row(d, "engine" if s == "engine" else f"vLLM {peers[d]['versions'].get('vllm', '?')}",
+        table += [_best_row(d, f"vLLM {peers[d]['versions'].get('vllm', '?')}" if s == "vllm" else s,
                             [figures[(d, s, r)] for r in rounds], bounds[d]) for s in systems]
-        by_round += [_round_row(d, r, figures[(d, "engine", r)], figures.get((d, "vllm", r)), timeline) for r in rounds]
+        by_round += [_round_row(d, r, figures[(d, "engine", r)], figures.get((d, "vllm", r)), timeline,
+                                figures.get((d, NATIVE, r))) for r in rounds]
         if skipped is None:
             e1, v1 = figures[(d, "engine", 1)]["tokens"], figures[(d, "vllm", 1)]["tokens"]
             rows, more = _compare(d, e1, v1, table, by_round)
@@ -343,7 +371,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtype: str | None =
         tables={"round by round (engine and vLLM alternate; ratios > 1: the engine is better)":
                 harness.rounded(by_round),
                 "greedy agreement, engine vs vLLM (round 1, tokens before the first divergence)": agreement},
-        ceilings=harness.rounded(bounds), timeline=timeline, vllm=_vllm_info(peers, skipped),
+        ceilings=harness.rounded(bounds), timeline=timeline, vllm=_vllm_info(peers, skipped), native=native_why,
         **harness.shared_cpu(" vLLM's load/compile time is not in any round (vllm.<dtype>.load_s)."))
 
 

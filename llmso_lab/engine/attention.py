@@ -52,6 +52,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     decode_group_cost: int | None = GROUP_COST_BLOCKS   # see decode_groups; None: one padded group
+    native_decode = None   # the native path's decode attention (`engine.native`, opt-in): read through the tables
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  v_head_dim: int | None = None, scale: float | None = None, latent: bool = False) -> None:
@@ -98,8 +99,12 @@ class TorchAttentionBackend:
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                 window: int | None) -> Tensor:
-        """Decodes, one query token each: gather + SDPA per group of rows (`_decode_group`)."""
+        """Decodes, one query token each: gather + SDPA per group of rows (`_decode_group`), or with the native path
+        on, its kernel reading each row's blocks through the block table (no gather, no padding)."""
         B = q.shape[0]
+        if self.native_decode is not None and not self.latent and not isinstance(k_cache, LayerKV):
+            return self.native_decode(q, k_cache, v_cache, meta.block_tables[:B], meta.context_lens[:B], self.scale,
+                                      window or 0)
         groups = self._cached("decode_groups", lambda: plan_decode_groups(
             meta.block_tables[:B], meta.context_lens_host[:B], self.block_size, self.decode_group_cost))
         if len(groups) == 1:

@@ -31,7 +31,7 @@ def attention_kind(model_config):
 def matmul_kernel(config, dtype: torch.dtype, device: torch.device) -> Callable | None:
     """What each weight matrix [in, out] becomes: a weight-only quantized matmul (`quantization=`, lecture 1-3:
     `quant.weight_only`; activations cast to bf16 for the kernel only), a oneDNN prepacked weight where that measured
-    faster on this CPU (`hardware.onednn_linear_available`), or None: plain `x @ w`. With `LLMSO_LAB_NATIVE_GEMV=1`
+    faster on this CPU (`hardware.onednn_linear_available`), or None: plain `x @ w`. With `LLMSO_LAB_NATIVE=1`
     (opt-in) decode-sized products go through the native GEMV first (`engine.native`)."""
     if config.quantization:
         from llmso_lab.quant.weight_only import quantize_weight
@@ -43,7 +43,7 @@ def matmul_kernel(config, dtype: torch.dtype, device: torch.device) -> Callable 
         from llmso_lab.engine.ops import OneDNNLinear
         base = OneDNNLinear
     from llmso_lab.engine import native
-    if native.requested() and torch.device(device).type == "cpu":   # opt-in: LLMSO_LAB_NATIVE_GEMV=1
+    if native.requested() and torch.device(device).type == "cpu":   # opt-in: LLMSO_LAB_NATIVE=1
         mod, why = native.load()
         if mod is None:
             import warnings
@@ -54,6 +54,16 @@ def matmul_kernel(config, dtype: torch.dtype, device: torch.device) -> Callable 
                 return native.NativeGemvLinear(w_t, usual) if native.supports(w_t) else usual
             return kernel
     return base
+
+
+def native_step(runner):
+    """The native path (`engine.native`, on with `LLMSO_LAB_NATIVE=1`): the runner's whole decode step in C++
+    (`DecodeStep`, returned) where it applies, and the torch backend's decode attention read through the block tables;
+    None where the step does not apply (the torch path runs those steps)."""
+    from llmso_lab.engine import native
+    if not native.requested() or runner.device.type != "cpu":
+        return None
+    return native.attach(runner)
 
 
 def model_runner(model, config):
