@@ -220,6 +220,10 @@ def test_native_step_refuses_bad_input_clearly():
         step.run(*ok[:4], torch.tensor([65], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="int32"):
         step.run(*ok[:3], torch.zeros(1, 4, dtype=torch.int64), ok[4])
+    with pytest.raises(RuntimeError, match="is not a slot of the cache"):
+        step.run(*ok[:2], torch.tensor([10 ** 9], **i64), *ok[3:])
+    with pytest.raises(RuntimeError, match="is not a block of the cache"):
+        step.run(*ok[:3], torch.tensor([[10 ** 6, 0, 0, 0]], dtype=torch.int32), ok[4])
     w = torch.zeros(3, 64)
     with pytest.raises(RuntimeError, match="10 tensors per layer"):
         mod.Step([w], torch.zeros(256, 64), torch.zeros(64), torch.zeros(256, 64), torch.empty(0), torch.zeros(8, 16),
@@ -304,6 +308,8 @@ def test_paged_decode_matches_sdpa_on_gathered_blocks(dtype):
             torch.testing.assert_close(got[b].double(), want, rtol=tol, atol=tol)
     with pytest.raises(RuntimeError, match="does not fit the block table"):
         mod.paged_decode(q, kc, vc, tables, torch.tensor([65, 1, 1], dtype=torch.int32), 0.125, 0)
+    with pytest.raises(RuntimeError, match="is not a block of the cache"):
+        mod.paged_decode(q, kc, vc, tables + nblocks, torch.tensor(ctx, dtype=torch.int32), 0.125, 0)
 
 
 def test_native_decode_attention_serves_batches_the_step_does_not_take():

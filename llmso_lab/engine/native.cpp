@@ -164,20 +164,15 @@ inline float row_dot(const T* x, const bf16* xp, const float* xs, int64_t m, con
   return dot(x + m * K, (const T*)w.wp + n * K, K);
 }
 
-// y[m, n] = emit(m, n, x[m] . w[n]) for this thread's rows n: every weight row read once, for all M rows of x.
-template <typename T, typename Emit>
-inline void gemv_rows(const T* x, int64_t M, int64_t K, const T* w, int64_t n0, int64_t n1, Emit&& emit) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) emit(m, n, dot(x + m * K, w + n * K, K));
-}
-
+// y = x w^T: every weight row read once, for all M rows of x.
 template <typename T> torch::Tensor gemv_typed(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
   const T *xp = (const T*)x.data_ptr(), *wp = (const T*)w.data_ptr();
   T* yp = (T*)y.data_ptr();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    gemv_rows(xp, M, K, wp, n0, n1, [&](int64_t m, int64_t n, float v) { put(yp + m * N + n, v); });
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) put(yp + m * N + n, dot(xp + m * K, wp + n * K, K));
   });
   return y;
 }
@@ -206,6 +201,14 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
 }
 
 // ---- decode attention over the paged cache ------------------------------------------------------------------------
+// The blocks a row reads (the first ceil(ctx / block_size) entries of its table) must be blocks of the cache: a wrong
+// table is refused before any read or write, never followed out of the cache.
+inline void check_table(const int32_t* row, int32_t ctx, int64_t block_size, int64_t num_blocks, const char* who) {
+  for (int64_t i = 0; i < (ctx + block_size - 1) / block_size; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, who, ": block ", row[i], " of a block table is not a block of "
+                "the cache (0..", num_blocks - 1, ")");
+}
+
 // One query head q [D] (RoPE applied) of a sequence whose keys j0 <= j < ctx sit in its blocks `table` of the cache
 // [num_blocks, block_size, Hkv, D], KV head g: softmax(q K^T * scale) V into out [D]. Scores and the weighted sum
 // in fp32 (`sc` holds ctx scores, `ac` D sums); read through the block table, nothing gathered.
@@ -253,6 +256,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(cl[b] >= 1 && cl[b] <= tables.size(1) * bs, "paged_decode: context length ", cl[b],
                 " does not fit the block table");
+    check_table(tables.data_ptr<int32_t>() + b * tables.size(1), cl[b], bs, k_cache.size(0), "paged_decode");
     max_ctx = std::max(max_ctx, cl[b]);
   }
   auto out = torch::empty({B, H, D}, q.options());
@@ -361,7 +365,8 @@ struct Step {
     TORCH_CHECK(ids.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 &&
                 slots.scalar_type() == torch::kInt64 && tables.scalar_type() == torch::kInt32 &&
                 ctx.scalar_type() == torch::kInt32 && tables.dim() == 2 && tables.size(0) == B &&
-                positions.size(0) == B && slots.size(0) == B && ctx.size(0) == B && tables.is_contiguous(),
+                positions.size(0) == B && slots.size(0) == B && ctx.size(0) == B && ids.is_contiguous() &&
+                positions.is_contiguous() && slots.is_contiguous() && ctx.is_contiguous() && tables.is_contiguous(),
                 "Step.run: ids, positions, slots [B] int64, tables [B, W] int32, ctx [B] int32");
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int32_t* cl = ctx.data_ptr<int32_t>();
@@ -370,6 +375,10 @@ struct Step {
       TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "Step.run: position ", pos[b], " past the RoPE table");
       TORCH_CHECK(cl[b] >= 1 && cl[b] <= tables.size(1) * block_size, "Step.run: context length ", cl[b],
                   " does not fit the block table");
+      const int64_t slot = slots.data_ptr<int64_t>()[b], cached = k_cache[0].size(0) * block_size;
+      TORCH_CHECK(slot >= 0 && slot < cached, "Step.run: slot ", slot, " is not a slot of the cache (0..", cached - 1,
+                  ")");
+      check_table(tables.data_ptr<int32_t>() + b * tables.size(1), cl[b], block_size, k_cache[0].size(0), "Step.run");
       max_ctx = std::max(max_ctx, cl[b]);
     }
     auto logits = torch::empty({B, vocab}, torch::kFloat32);

@@ -206,14 +206,13 @@ def _matrix(m) -> tuple[Tensor, Tensor]:
 
 def attach(runner) -> DecodeStep | None:
     """Put the native path into a runner (`engine.features.native_step`, when it is on): its torch attention backend's
-    decode rows go through `paged_decode` (fp32 / bf16 caches), and the runner's whole decode step where
+    decode rows go through `paged_decode` (fp32 / bf16 caches; plain AVX-512 reads bf16), and the runner's whole decode step where
     `DecodeStep.unsupported` finds nothing against it (returned; else None)."""
     mod, _ = load()
     if mod is None:
         return None
     backend = runner.backend
     if (type(backend) is TorchAttentionBackend and runner.dtype in (torch.float32, torch.bfloat16)
-            and (runner.dtype == torch.float32 or mod.has_bf16()) and backend.head_dim % 16 == 0
-            and backend.head_dim <= 512 and not backend.latent):
+            and backend.head_dim % 16 == 0 and backend.head_dim <= 512 and not backend.latent):
         backend.native_decode = mod.paged_decode
     return None if DecodeStep.unsupported(runner) else DecodeStep(runner, mod)
