@@ -32,7 +32,7 @@ def matmul_kernel(config, dtype: torch.dtype, device: torch.device) -> Callable 
     """What each weight matrix [in, out] becomes: a weight-only quantized matmul (`quantization=`, lecture 1-3:
     `quant.weight_only`; activations cast to bf16 for the kernel only), a oneDNN prepacked weight where that measured
     faster on this CPU (`hardware.onednn_linear_available`), or None: plain `x @ w`. With `LLMSO_LAB_NATIVE=1`
-    (opt-in) decode-sized products go through the native GEMV first (`engine.native`)."""
+    (opt-in) products go through the native kernel first, up to the rows where it measured faster (`engine.native`)."""
     if config.quantization:
         from llmso_lab.quant.weight_only import quantize_weight
         method, group = config.quantization, config.quantization_group_size
@@ -49,16 +49,16 @@ def matmul_kernel(config, dtype: torch.dtype, device: torch.device) -> Callable 
             import warnings
             warnings.warn(f"{native.ENV}=1: {why}", stacklevel=2)
         else:
-            def kernel(w_t):   # decode rows through the native GEMV, more rows through the usual kernel
+            def kernel(w_t):   # rows through the native kernel, past its MAX_ROWS through the usual one
                 usual = base(w_t) if base else w_t
-                return native.NativeGemvLinear(w_t, usual) if native.supports(w_t) else usual
+                return native.NativeLinear(w_t, usual) if native.supports(w_t) else usual
             return kernel
     return base
 
 
 def native_step(runner):
-    """The native path (`engine.native`, on with `LLMSO_LAB_NATIVE=1`): the runner's whole decode step in C++
-    (`DecodeStep`, returned) where it applies, and the torch backend's decode attention read through the block tables;
+    """The native path (`engine.native`, on with `LLMSO_LAB_NATIVE=1`): the runner's whole forward step in C++
+    (`NativeStep`, returned) where it applies, and the torch backend's decode attention read through the block tables;
     None where the step does not apply (the torch path runs those steps)."""
     from llmso_lab.engine import native
     if not native.requested() or runner.device.type != "cpu":

@@ -281,7 +281,7 @@ class ModelRunner(BatchBuilder):
         self.kv_hook: Callable[[int], None] | None = None   # called with i once layer i's KV is written
         self.final_hidden_hook: Callable[[Tensor, AttentionMetadata], None] | None = None   # every token's last hidden
         self.last_hidden: Tensor | None = None   # the final-normed hidden states of the last forward's logits rows
-        self.native_step = features.native_step(self)   # the whole decode step in C++ (opt-in: `engine.native`)
+        self.native_step = features.native_step(self)   # the whole forward step in C++ (opt-in: `engine.native`)
 
     @property
     def k_cache(self) -> Tensor | None:
@@ -313,7 +313,7 @@ class ModelRunner(BatchBuilder):
         hidden states are kept in `last_hidden`. `inputs_embeds` [T, hidden] replaces the embedding lookup."""
         t_start = time.perf_counter()
         if self.native_step is not None and self.native_step.accepts(self, input_ids, meta, logits_indices, inputs_embeds):
-            logits, self.last_hidden = self.native_step.run(input_ids, positions, meta)
+            logits, self.last_hidden = self.native_step.run(input_ids, positions, meta, logits_indices)
             self.num_forwards += 1
             self.forward_s += time.perf_counter() - t_start
             return logits

@@ -1,28 +1,31 @@
-"""The engine's optional native path for decode steps (`native.cpp`, compiled on first use): what makes batch-1 decode
-reach the memory-bandwidth ceiling on a CPU.
+"""The engine's optional native path (`native.cpp`, compiled on first use): a whole forward step in C++, what makes
+batch-1 decode reach the memory-bandwidth ceiling on a CPU and a batched step reach its matmul ceiling.
 
-Why (Lab 00 §6, `llmso-lab bench llamacpp`): at batch 1 a decode step reads every weight once, so its time should be
-the weights' bytes over the memory bandwidth. The engine's torch step is far from it: its bf16 step spends ~4-5 ms per
-token on ~1,000 small torch ops (norms, RoPE, cache writes, attention, residual adds; a few µs of dispatch each)
-beside the weight matmuls, and those stream the weights at ~17-22 GB/s where llama.cpp reads ~33. Three pieces:
-- `DecodeStep`: a whole decode step of up to `STEP_MAX_ROWS` sequences (one new token each) as ONE C++ call: one OpenMP
-  parallel region, every matrix-vector product split over the threads by output rows, 5 barriers per layer, and the
-  work between the products as plain loops on data already in cache (llama.cpp's way; what CUDA-graph capture buys
-  on a GPU). fp32, bf16 (AVX512-BF16), and int4 weights with fp32 activations (`quantization="int4"`, group 32:
-  codes unpacked by table lookup into bf16 and multiplied with `dpbf16`). It reads the runner's own weights and KV
-  cache, so it and the torch path take turns on the same sequences (prefills and larger batches run in torch).
-- `paged_decode`: decode attention for the torch path's decode rows, read through the block tables (no gather, no
-  padding to the longest row).
-- `NativeGemvLinear`: the GEMV for decode-sized products the step does not take (each weight row read once and
-  multiplied by every x row while it sits in L1), the rest through the kernel the engine would use anyway (it keeps
-  both copies of each weight).
+Why (Lab 00 §6, `llmso-lab bench llamacpp`; Lab 01 §9, `llmso-lab bench vllm`): at batch 1 a decode step reads every
+weight once, so its time should be the weights' bytes over the memory bandwidth; with 16 sequences or a prefill chunk
+it should be the FLOPs over the matmul rate. The engine's torch step is far from both: its bf16 step spends ~4-5 ms
+on ~1,000 small torch ops (norms, RoPE, cache writes, attention, residual adds; a few µs of dispatch each) beside the
+matmuls, and its attention gathers every sequence's blocks into a padded batch first. Three pieces:
+- `NativeStep`: a whole forward step (any varlen batch: decodes, prefill chunks, prefix hits, or a mix) as ONE C++
+  call: one OpenMP parallel region, 6 barriers per layer, every product split over the threads by blocks of outputs,
+  and the work between the products on vectors of 16 on data already in cache (llama.cpp's way; what CUDA-graph
+  capture buys on a GPU); attention reads keys and values through the block tables (no gather), each key once for
+  the query heads that share it. fp32, bf16 (AVX512-BF16), and int4 weights with fp32 activations
+  (`quantization="int4"`, group 32, decode steps of up to 2 sequences: codes unpacked by table lookup into bf16 and
+  multiplied with `dpbf16`). It reads the runner's own weights and KV cache, so it and the torch path can take turns
+  on the same sequences. `NativeStep.step.profile()` says where the time went, by phase and thread.
+- `NativeLinear`: each weight packed once into blocks of 32 outputs (`pack`), multiplied by a register-tiled kernel
+  (12 rows of x by 32 outputs in 24 vector registers: every weight loaded serves 12 rows); the step reads the same
+  packed copies, and products outside the step take it up to `MAX_ROWS` rows (the engine's usual kernel beyond).
+- `paged_decode`: decode attention for the torch path's decode rows where the step does not run (a sliding window,
+  a bias), read through the block tables (no gather, no padding to the longest row).
 Numbers follow the torch path (same roundings, fp32 accumulation): greedy tokens equal Hugging Face's in fp32 with
 the native path on (the exactness suite), and the int4 step's tokens equal the torch int4 path's.
 
 Opt-in: `LLMSO_LAB_NATIVE=1` when the engine is built (`engine.features.native_step` / `matmul_kernel`), because
 the code is compiled with the C++ compiler on first use (`torch.utils.cpp_extension`, ~30 s, then cached in
 `~/.cache/torch_extensions`), which a student's laptop may not have and a graded run must not wait for, and because
-a lab's own attention, backend or runner must run its own code: `DecodeStep.unsupported` takes only the engine's
+a lab's own attention, backend or runner must run its own code: `NativeStep.unsupported` takes only the engine's
 exact classes. Where it cannot be built (no AVX-512, no compiler or ninja, not x86-64) `load()` says why and the
 engine warns and keeps its torch path.
 """
@@ -42,17 +45,18 @@ from torch import Tensor
 from llmso_lab.engine.attention import TorchAttentionBackend
 from llmso_lab.engine.ops import linear
 
-__all__ = ["load", "NativeGemvLinear", "DecodeStep", "requested", "enabled", "MAX_ROWS", "STEP_MAX_ROWS", "ENV"]
+__all__ = ["load", "NativeLinear", "NativeStep", "requested", "enabled", "MAX_ROWS", "STEP_MAX_TOKENS", "ENV"]
 
 SOURCE = Path(__file__).with_name("native.cpp")
 ENV = "LLMSO_LAB_NATIVE"
-MAX_ROWS = {torch.float32: 8, torch.bfloat16: 2}   # rows up to which the GEMV beat oneDNN here (fp32 ties at 16)
-# Sequences up to which a whole decode step in C++ beat the torch path (with the GEMV and `paged_decode`) on SmolLM2
-# here (ms per step, step / torch): fp32 12.7 / 17.2 at 1, 20.9 / 23.6 at 4, 43.1 / 37.8 at 8; bf16 6.4 / 10.2 at 1,
-# 19.6 / 21.5 at 8, 39.2 / 29.6 at 16; int4 4.6 / 8.8 at 1, 8.3 / 10.4 at 2, 15.4 / 13.5 at 4 (it unpacks the codes
-# once per row of x).
-STEP_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 8, "int4": 2}
-K_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
+# Rows up to which the packed kernel beat the engine's own kernel on SmolLM2's matrices here (ms, native / oneDNN):
+# bf16 1.1-1.3x faster at 16 rows, even at 64, 0.93x at 512; fp32 faster at every size (1.1-1.3x at 512).
+MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 64}
+# Tokens up to which a whole step in C++ (`NativeStep`) is taken: every step for dense weights (it beat the torch path
+# at every size measured, decode and prefill: see `NativeStep`); int4 weights only for decode steps of up to 2
+# sequences (their codes are unpacked once per row of x: 4.6 / 8.8 ms per step at 1, 8.3 / 10.4 at 2, 15.4 / 13.5 at 4).
+STEP_MAX_TOKENS = {torch.float32: 1 << 30, torch.bfloat16: 1 << 30, "int4": 2}
+K_MULTIPLE = {torch.float32: 1, torch.bfloat16: 2}
 
 
 def requested() -> bool:
@@ -97,8 +101,8 @@ def load():
 
 
 def supports(w_t: Tensor) -> bool:
-    """Can the kernel multiply by this engine weight ([in, out])? fp32 / bf16 (bf16 only where it was built with
-    AVX512-BF16) with `in` a multiple of 16 / 32."""
+    """Can the kernel multiply by this engine weight ([in, out])? fp32, or bf16 with an even `in` (bf16 only where it
+    was built with AVX512-BF16)."""
     mod, _ = load()
     if mod is None or w_t.dtype not in MAX_ROWS or w_t.device.type != "cpu":
         return False
@@ -107,21 +111,22 @@ def supports(w_t: Tensor) -> bool:
     return w_t.shape[0] % K_MULTIPLE[w_t.dtype] == 0
 
 
-class NativeGemvLinear:
-    """x [T, in] -> [T, out]: up to `MAX_ROWS` rows through the native GEMV (weight [out, in], read once), more rows
-    through `big` (the engine's usual kernel: a prepacked `OneDNNLinear` or the plain [in, out] weight)."""
+class NativeLinear:
+    """x [T, in] -> [T, out]: up to `MAX_ROWS` rows through the native kernel (the weight packed once into blocks of
+    32 outputs, `native.cpp`), more rows through `big` (the engine's usual kernel: a prepacked `OneDNNLinear` or the
+    plain [in, out] weight). `NativeStep` reads the packed copy."""
 
     def __init__(self, w_t: Tensor, big=None) -> None:
         self.mod, _ = load()
         assert self.mod is not None and supports(w_t), "check native.supports(w) first"
-        self.w = w_t.t().contiguous()                 # [out, in]
+        self.packed = self.mod.pack(w_t.t().contiguous())    # from [out, in]
         self.big = w_t if big is None else big
         self.shape, self.dtype = tuple(w_t.shape), w_t.dtype
         self.max_rows = MAX_ROWS[w_t.dtype]
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.shape[0] <= self.max_rows and x.dtype == self.dtype:
-            return self.mod.gemv(x.contiguous(), self.w)
+            return self.mod.gemm(x.contiguous(), self.packed, self.shape[1])
         return linear(x, self.big)
 
     @property
@@ -129,16 +134,20 @@ class NativeGemvLinear:
         return self.shape[0]
 
     @property
+    def out_features(self) -> int:
+        return self.shape[1]
+
+    @property
     def nbytes(self) -> int:
-        """Bytes one decode step reads (the [out, in] copy; the copy for many rows is not read then)."""
-        return self.w.numel() * self.w.element_size()
+        """Bytes one decode step reads (the packed copy; the copy for many rows is not read then)."""
+        return self.packed.numel() * self.packed.element_size()
 
 
-class DecodeStep:
-    """A whole decode step in C++ for one `ModelRunner` (`native.cpp`, `Step`): what `ModelRunner.forward` computes
-    for a batch of up to `STEP_MAX_ROWS` sequences with one new token each, in one call (one OpenMP parallel region,
-    5 barriers per layer) instead of ~55 torch ops per layer. It reads the runner's own weights (the native GEMV's
-    [out, in] copies, the int4 codes) and KV cache, so the torch path and this one take turns on the same sequences."""
+class NativeStep:
+    """A whole forward step in C++ for one `ModelRunner` (`native.cpp`, `Step`): what `ModelRunner.forward` computes
+    for a varlen batch (decodes, prefill chunks, or both), in one call: one OpenMP parallel region, 6 barriers per
+    layer, instead of ~55 torch ops per layer. It reads the runner's own weights (the packed copies, the int4 codes)
+    and KV cache, so the torch path and this one can take turns on the same sequences."""
 
     def __init__(self, runner, mod) -> None:
         layers = []
@@ -147,10 +156,11 @@ class DecodeStep:
                        *_matrix(w.down)]
         k, v = zip(*runner.kv_store.layer_caches)
         self.step = mod.Step(layers, runner.embed, runner.final_norm, *_matrix(runner.lm_head), runner.cos, runner.sin,
-                             list(k), list(v), runner.num_heads, runner.num_kv_heads, runner.head_dim, runner.eps,
+                             list(k), list(v), runner.num_heads, runner.num_kv_heads, runner.head_dim,
+                             runner.layers[0].down.in_features, runner.lm_head.out_features, runner.eps,
                              runner.backend.scale)
-        int4 = any(_is_int4(m) for m in runner.weight_matrices())
-        self.max_rows = STEP_MAX_ROWS["int4" if int4 else runner.dtype]
+        self.int4 = any(_is_int4(m) for m in runner.weight_matrices())
+        self.max_tokens = STEP_MAX_TOKENS["int4" if self.int4 else runner.dtype]
         self.num_steps = 0
 
     @staticmethod
@@ -169,24 +179,34 @@ class DecodeStep:
         if any(w.attn.sliding_window or w.attn.qkv_bias is not None or w.attn.o_bias is not None
                or w.gate_up_bias is not None or w.down_bias is not None for w in runner.layers):
             return "no sliding windows or biases"
-        if not all(isinstance(m, NativeGemvLinear) or (runner.dtype == torch.float32 and _is_int4(m))
+        if not all(isinstance(m, NativeLinear) or (runner.dtype == torch.float32 and _is_int4(m))
                    for m in runner.weight_matrices()):
-            return ("every weight must go through the native GEMV (fp32, or bf16 with AVX512-BF16) or be int4 in "
+            return ("every weight must go through the native kernel (fp32, or bf16 with AVX512-BF16) or be int4 in "
                     "groups of 32 with inputs a multiple of 64 (quantization='int4', dtype='float32', AVX512-BF16)")
+        if isinstance(runner.layers[0].gate_up, NativeLinear) and runner.layers[0].down.in_features % 32:
+            return f"intermediate_size {runner.layers[0].down.in_features} is not a multiple of 32"
         if runner.head_dim % 16 or runner.head_dim > 512:
             return f"head_dim {runner.head_dim} is not a multiple of 16 up to 512"
         return None
 
     def accepts(self, runner, input_ids: Tensor, meta, logits_indices: Tensor, inputs_embeds) -> bool:
-        """Is this forward a plain decode step the native step computes exactly as the torch path would?"""
+        """Is this forward one the native step computes exactly as the torch path would? Any varlen batch of real
+        tokens (no lock-step padding or idle rows: each sequence's query tokens are exactly its new cache entries),
+        with int4 weights only decode steps of up to `STEP_MAX_TOKENS["int4"]` sequences; no hooks, no embeddings."""
         n = input_ids.shape[0]
-        return (n <= self.max_rows and meta.num_decodes == n and logits_indices.shape[0] == n and inputs_embeds is None
-                and runner.kv_hook is None and runner.final_hidden_hook is None)
+        if n > self.max_tokens or inputs_embeds is not None or runner.kv_hook is not None \
+                or runner.final_hidden_hook is not None:
+            return False
+        if self.int4 and meta.num_decodes != n:
+            return False
+        return all(q == c - s for q, c, s in zip(meta.query_lens, meta.context_lens_host, meta.start_positions))
 
-    def run(self, input_ids: Tensor, positions: Tensor, meta) -> tuple[Tensor, Tensor]:
-        """(fp32 logits [B, V], final-normed hidden states [B, hidden]); the new K/V are written to the cache."""
+    def run(self, input_ids: Tensor, positions: Tensor, meta, logits_indices: Tensor) -> tuple[Tensor, Tensor]:
+        """(fp32 logits [N, V], final-normed hidden states [N, hidden]) at `logits_indices`; the new K/V are written
+        to the cache."""
         self.num_steps += 1
-        return self.step.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
+        return self.step.run(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                             meta.cu_seqlens_q, logits_indices)
 
 
 def _is_int4(m) -> bool:
@@ -197,17 +217,17 @@ def _is_int4(m) -> bool:
 
 
 def _matrix(m) -> tuple[Tensor, Tensor]:
-    """(weight, scales and zeros) as `Step` takes a matrix: a native GEMV's [out, in] copy and an empty tensor, or an
+    """(weight, scales and zeros) as `Step` takes a matrix: a `NativeLinear`'s packed copy and an empty tensor, or an
     int4 matrix's codes [out, in / 2] (uint8, two per byte) and its bf16 scale and zero per group [out, in / 32, 2]."""
-    if isinstance(m, NativeGemvLinear):
-        return m.w, torch.empty(0)
+    if isinstance(m, NativeLinear):
+        return m.packed, torch.empty(0)
     return m.qt.packed.contiguous(), m._scale_zero.transpose(0, 1).contiguous()
 
 
-def attach(runner) -> DecodeStep | None:
+def attach(runner) -> NativeStep | None:
     """Put the native path into a runner (`engine.features.native_step`, when it is on): its torch attention backend's
     decode rows go through `paged_decode` (fp32 / bf16 caches; plain AVX-512 reads bf16), and the runner's whole decode step where
-    `DecodeStep.unsupported` finds nothing against it (returned; else None)."""
+    `NativeStep.unsupported` finds nothing against it (returned; else None)."""
     mod, _ = load()
     if mod is None:
         return None
@@ -215,4 +235,4 @@ def attach(runner) -> DecodeStep | None:
     if (type(backend) is TorchAttentionBackend and runner.dtype in (torch.float32, torch.bfloat16)
             and backend.head_dim % 16 == 0 and backend.head_dim <= 512 and not backend.latent):
         backend.native_decode = mod.paged_decode
-    return None if DecodeStep.unsupported(runner) else DecodeStep(runner, mod)
+    return None if NativeStep.unsupported(runner) else NativeStep(runner, mod)
