@@ -134,7 +134,7 @@ def test_bench_without_the_peer_measures_the_engine_alone(tmp_path, capsys):
 
 
 def test_bench_times_the_native_path_as_a_third_system(peer):
-    """With the opt-in native decode path (where it builds) every dtype gets a third system and its own ratios."""
+    """With the opt-in native path (where it builds) every dtype gets a third system and its own ratios."""
     from llmso_lab.engine import native
     res = lc.run(quick=True, peer_dir=peer, native=True, dtypes=("float32", "q4_1"), **TINY)
     assert res["native"] == native.load()[1]
@@ -146,7 +146,7 @@ def test_bench_times_the_native_path_as_a_third_system(peer):
                        ("q4_1", "engine"), ("q4_1", lc.NATIVE), ("q4_1", "llama.cpp 0000.0.0")]
     nat = [r for r in res["table"] if r["system"] == lc.NATIVE]
     assert all(r["batch1_tok_s"] > 0 for r in nat)
-    assert [r["weights"] for r in nat] == ["fp32, native decode step", "int4 group 32, native decode step"]
+    assert [r["weights"] for r in nat] == ["fp32, native path", "int4 group 32, native path"]
     assert {"engine_native_vs_llamacpp_batch1_fp32_worst_round",
             "engine_native_vs_llamacpp_batch1_q4_1_worst_round"} <= set(res["ratios"])
     assert [x["system"] for x in res["timeline"][:3]] == ["engine", lc.NATIVE, "llama.cpp"]   # one round: all three

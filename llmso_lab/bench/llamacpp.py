@@ -15,9 +15,8 @@ Dtypes: fp32 and bf16 (llama.cpp: the cached SmolLM2 converted to f32 / bf16 GGU
 (the engine's `quantization="int4"`, group 32, torch's int4 weight-only kernel; llama.cpp: the cached Q4_1 GGUF,
 the file the SmolLM2 weights come from, and Q4_0 made by `llama-quantize` where the peer built it).
 
-A third system runs where it builds on this machine: the engine with its opt-in native decode path (`engine.native`,
-`LLMSO_LAB_NATIVE=1`: a decode step of up to a few sequences as one C++ call, the GEMV for other decode-sized
-products), ratios `engine_native_vs_llamacpp_*` (`native=False` leaves it out; `native` in the JSON says whether it
+A third system runs where it builds on this machine: the engine with its opt-in native path (`engine.native`,
+`LLMSO_LAB_NATIVE=1`: every forward step as one C++ call; int4 decode steps of up to 2 sequences), ratios `engine_native_vs_llamacpp_*` (`native=False` leaves it out; `native` in the JSON says whether it
 ran and why).
 
 Alternation: per dtype, rounds of (engine, llama.cpp, ...); every llama.cpp tool is a fresh process (it mmaps the
@@ -49,7 +48,7 @@ __all__ = ["run", "FULL", "QUICK", "LlamaCpp", "default_peer_dir", "missing_peer
 FULL = dict(tg=128, pp=512, npp=128, ntg=128, parallel=(1, 4, 16), rounds=3, reps=3)
 QUICK = dict(tg=32, pp=128, npp=32, ntg=16, parallel=(1, 4), rounds=2, reps=1)
 DTYPES = ("float32", "bfloat16", "q4_1", "q4_0")
-NATIVE = "engine + native step"   # the engine with `engine.native` (opt-in), a third system
+NATIVE = "engine + native path"   # the engine with `engine.native` (opt-in), a third system (as `bench vllm`)
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "q4_1": "q4_1", "q4_0": "q4_0"}
 GGUF_KEY = {"float32": "f32", "bfloat16": "bf16", "q4_0": "q4_0"}   # peer.json's models; q4_1 is the cached GGUF
 
@@ -125,7 +124,7 @@ class LlamaCpp:
 
 class EngineSide:
     """The engine in one dtype (fp32, bf16, or int4 weight-only for the 4-bit rows), built and warmed up once;
-    `native`: with the opt-in native decode path (`engine.native`)."""
+    `native`: with the opt-in native path (`engine.native`)."""
 
     def __init__(self, net, tokenizer, dtype: str, cfg: dict, native: bool = False) -> None:
         from llmso_lab.engine import LLM
@@ -183,7 +182,7 @@ def run(quick: bool = False, *, model: str = "smollm2-135m", dtypes: tuple[str, 
         **overrides) -> dict:
     """Run the engine-vs-llama.cpp benchmark (`dtype`/`dtypes`: a subset of fp32, bf16, q4_1, q4_0; default all
     the peer has; `peer_dir`: the built peer, default `default_peer_dir()`; `native`: also time the engine with its
-    opt-in native decode path (None: where it builds here; `engine.native`); `overrides` replace FULL /
+    opt-in native path (None: where it builds here; `engine.native`); `overrides` replace FULL /
     QUICK)."""
     from llmso_lab import hardware as hw
     from llmso_lab.engine import native as native_path
@@ -275,7 +274,7 @@ def _dtype_arg(dtype: str) -> str:
 
 def _weights_label(system: str, d: str, gguf: Path | None) -> str:
     if system == NATIVE:
-        return f"{'int4 group 32' if d.startswith('q4') else SHORT[d]}, native decode step"
+        return f"{'int4 group 32' if d.startswith('q4') else SHORT[d]}, native path"
     if system != "engine":
         return gguf.name
     return "int4 group 32 (torch int4 weight-only kernel)" if d.startswith("q4") else SHORT[d]
@@ -291,7 +290,7 @@ def _round_ratios(e: dict, p: dict, parallel, prefix: str = "") -> dict:
 
 def _ratios(d: str, table: list[dict], rounds: list[dict], parallel) -> dict:
     """Best round over best round and the worst paired round, for the engine (`engine_vs_llamacpp_*`) and, where it
-    ran, the engine with its native decode path (`engine_native_vs_llamacpp_*`)."""
+    ran, the engine with its native path (`engine_native_vs_llamacpp_*`)."""
     k, out = SHORT[d], {}
     p = next(t for t in table if t["dtype"] == d and t["system"].startswith("llama.cpp"))
     for system, name, prefix in (("engine", "engine", ""), (NATIVE, "engine_native", "native_")):

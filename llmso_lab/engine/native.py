@@ -52,9 +52,11 @@ ENV = "LLMSO_LAB_NATIVE"
 # Rows up to which the packed kernel beat the engine's own kernel on SmolLM2's matrices here (ms, native / oneDNN):
 # bf16 1.1-1.3x faster at 16 rows, even at 64, 0.93x at 512; fp32 faster at every size (1.1-1.3x at 512).
 MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 64}
-# Tokens up to which a whole step in C++ (`NativeStep`) is taken: every step for dense weights (it beat the torch path
-# at every size measured, decode and prefill: see `NativeStep`); int4 weights only for decode steps of up to 2
-# sequences (their codes are unpacked once per row of x: 4.6 / 8.8 ms per step at 1, 8.3 / 10.4 at 2, 15.4 / 13.5 at 4).
+# Tokens up to which a whole step in C++ (`NativeStep`) is taken: every step for dense weights, which beat the torch
+# path at every size measured on SmolLM2 (ms per step, native / torch): bf16 8.6 / 11.9 at 1 sequence, 17.9 / 25.5 at
+# 16, 34.6 / 45.8 at 32, a 512-token prefill 362 / 422, 4 x 512 tokens 1516 / 1915; fp32 16.5 / 20.4, 33.8 / 40.6,
+# 60.1 / 69.1, 584 / 706, 2347 / 2818. int4 weights only for decode steps of up to 2 sequences (their codes are
+# unpacked once per row of x: 4.6 / 8.8 ms per step at 1, 8.3 / 10.4 at 2, 15.4 / 13.5 at 4).
 STEP_MAX_TOKENS = {torch.float32: 1 << 30, torch.bfloat16: 1 << 30, "int4": 2}
 K_MULTIPLE = {torch.float32: 1, torch.bfloat16: 2}
 
