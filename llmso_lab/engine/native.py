@@ -223,7 +223,7 @@ def _matrix(m) -> tuple[Tensor, Tensor]:
     int4 matrix's codes [out, in / 2] (uint8, two per byte) and its bf16 scale and zero per group [out, in / 32, 2]."""
     if isinstance(m, NativeLinear):
         return m.packed, torch.empty(0)
-    return m.qt.packed.contiguous(), m._scale_zero.transpose(0, 1).contiguous()
+    return m.qt.packed.contiguous(), m.scales_and_zeros.contiguous()
 
 
 def attach(runner) -> NativeStep | None:

@@ -85,9 +85,15 @@ class WeightOnlyInt4:
                                                  self._scale_zero).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
+    @property
+    def scales_and_zeros(self) -> Tensor:
+        """The kernel's bf16 (scale, zero) per output and group, [out, in / group_size, 2] (a view): the weight is
+        (q - 8) * scale + zero for the unsigned code q."""
+        return self._scale_zero.transpose(0, 1)
+
     def dequantize(self) -> Tensor:
         """fp32 [out, in] with the kernel's bf16 scale and zero: (q - 8) * scale + zero."""
-        sz = self._scale_zero.float().transpose(0, 1)                               # [out, in/g, 2]
+        sz = self.scales_and_zeros.float()                                          # [out, in/g, 2]
         q = unpack_bits(self.qt.packed, 4, self.in_features).float().reshape(self.out_features, -1, self.group_size)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
 
