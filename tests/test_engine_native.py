@@ -121,9 +121,11 @@ def test_engine_falls_back_with_a_warning_where_it_cannot_be_built(monkeypatch):
 # ---- the whole decode step in C++ (`native.NativeStep`) ------------------------------------------------------------
 
 def _tokens(llm, prompts, n=12):
+    """Greedy tokens for each prompt: n per prompt, or n[i] for prompt i."""
     from llmso_lab.engine import SamplingParams
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=n, ignore_eos=True),
-                        use_tqdm=False)
+    ns = n if isinstance(n, (list, tuple)) else [n] * len(prompts)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=k, ignore_eos=True) for k in ns], use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -220,9 +222,7 @@ def test_native_step_leaves_padded_steps_hooks_and_other_runners_to_torch():
     with native.enabled():   # static batching: prompts padded to the longest, finished rows idle
         static = LLM(model, None, dtype="float32", max_num_seqs=4, max_model_len=64, batching="static")
     ragged = [[5, 6], list(range(20, 29)), [7, 8, 9]]
-    outs = static.generate([{"prompt_token_ids": p} for p in ragged],
-                           [SamplingParams_(n) for n in (3, 8, 5)], use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(model, p, n) for p, n in zip(ragged, (3, 8, 5))]
+    assert _tokens(static, ragged, [3, 8, 5]) == [hf_greedy(model, p, n) for p, n in zip(ragged, (3, 8, 5))]
     runner = static.model_runner
     assert 0 < runner.native_step.num_steps < runner.num_forwards   # the padded prefill and idle-row steps in torch
     hooked = _native_llm(model, dtype="float32", max_num_seqs=2, max_model_len=64)
@@ -241,11 +241,6 @@ def test_native_step_leaves_padded_steps_hooks_and_other_runners_to_torch():
     assert "not a multiple of 32" in native.NativeStep.unsupported(odd.model_runner)
     with native.enabled(False):
         assert LLM(model, None, dtype="float32", max_num_seqs=2, max_model_len=64).model_runner.native_step is None
-
-
-def SamplingParams_(n):
-    from llmso_lab.engine import SamplingParams
-    return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
 def test_native_step_refuses_bad_input_clearly():

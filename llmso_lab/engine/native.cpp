@@ -75,6 +75,10 @@ template <typename V, typename S> inline void lanes16(int64_t cnt, V&& vec, S&& 
   for (; c + 16 <= cnt; c += 16) vec(c);
   for (; c < cnt; ++c) scalar(c);
 }
+// y[0 .. cnt) = v rounded to T (a row of a product's output)
+template <typename T> inline void store_row(T* y, const float* v, int64_t cnt) {
+  lanes16(cnt, [&](int64_t c) { store16(y + c, _mm512_loadu_ps(v + c)); }, [&](int64_t c) { put(y + c, v[c]); });
+}
 // e^x for 16 numbers: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to r^6 (relative error ~1e-7, as
 // std::exp in fp32 within an ulp or two), times 2^n.
 inline __m512 exp16(__m512 x) {
@@ -307,12 +311,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t N) {
       float t[MR * 32];
       for_tiles(M, b0, b1, [&](int64_t m, int64_t rows, int64_t b) {
         tile(rows, xp + m * K, K, wp + b * K * 32, K, t);
-        for (int64_t r = 0; r < rows; ++r) {
-          T* y = yp + (m + r) * N + b * 32;
-          const float* v = t + r * 32;
-          lanes16(std::min<int64_t>(32, N - b * 32), [&](int64_t c) { store16(y + c, _mm512_loadu_ps(v + c)); },
-                  [&](int64_t c) { put(y + c, v[c]); });
-        }
+        for (int64_t r = 0; r < rows; ++r) store_row(yp + (m + r) * N + b * 32, t + r * 32, std::min<int64_t>(32, N - b * 32));
       });
     });
   };
@@ -731,18 +730,14 @@ struct Step {
         });
       };
       // dst row m from n on = round(v)
-      auto store_rows = [&](T* dst, int64_t ld) {
-        return [dst, ld](int64_t m, int64_t n, const float* v, int64_t cnt) {
-          T* y = dst + m * ld + n;
-          lanes16(cnt, [&](int64_t c) { store16(y + c, _mm512_loadu_ps(v + c)); }, [&](int64_t c) { put(y + c, v[c]); });
-        };
-      };
       for (int64_t l = 0; l < L; ++l) {
         T* kc = (T*)k_cache[l].data_ptr();
         T* vc = (T*)v_cache[l].data_ptr();
         // 1. norm (every thread, its own copy), this thread's outputs of q, k, v
         rms_norm((const T*)in_norm[l].data_ptr(), x, M, nullptr);
-        mm(x, M, qkv[l], store_rows(qkv_buf.data(), QKV));
+        mm(x, M, qkv[l], [&](int64_t m, int64_t n, const float* v, int64_t cnt) {
+          store_row(qkv_buf.data() + m * QKV + n, v, cnt);
+        });
         end_phase(0);
         // 2. per (token, KV head): RoPE of its K and query heads, the new K / V into the cache
         for (int64_t u = t; u < M * Hkv; u += nt) {
