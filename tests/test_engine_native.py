@@ -289,21 +289,22 @@ def test_native_step_int4_equals_the_torch_int4_path(hidden):
     from llmso_lab.models.tiny import tiny_llama
 
     model = tiny_llama(num_layers=2, hidden_size=hidden, num_heads=4, num_kv_heads=2, initializer_range=0.05)
-    prompts = [[5, 17, 99, 3], list(range(30, 60))]
-    kw = dict(dtype="float32", quantization="int4", max_num_seqs=2, max_model_len=128)
+    prompts = [[5, 17, 99, 3], list(range(30, 60)), [(7 * i) % 250 + 3 for i in range(101)]]
+    kw = dict(dtype="float32", quantization="int4", max_num_seqs=3, max_model_len=160)
     llm = _native_llm(model, **kw) if BUILDABLE else LLM(model, None, **kw)
     with native.enabled(False):
         plain = LLM(model, None, **kw)
     assert plain.model_runner.native_step is None
-    for batch in ([prompts[0]], prompts):
+    for batch in ([prompts[0]], prompts):   # prefills of 4, 30 and 101 tokens (tiles of 1-4 rows, a second chunk of rows)
         assert _tokens(llm, batch, 16) == _tokens(plain, batch, 16)
-    if BUILDABLE:
-        assert llm.model_runner.native_step.num_steps == 30
+    if BUILDABLE:   # every step, prefills included
+        assert llm.model_runner.native_step.num_steps == 32
 
 
 def test_native_step_int4_logits_match_the_dequantized_weights():
-    """An independent reference for the int4 kernel: one decode step's logits against the torch path run on the
-    dequantized fp32 weights (what the codes, scales and zeros mean), within bf16 rounding of the matmul inputs."""
+    """An independent reference for the int4 kernel: the logits of a step (a decode and a 7-token chunk: tiles of 4
+    and 3 rows) against the torch path run on the dequantized fp32 weights (what the codes, scales and zeros mean),
+    within bf16 rounding of the matmul inputs."""
     mod = _module()
     if mod is None or not mod.has_bf16():
         return
@@ -314,9 +315,11 @@ def test_native_step_int4_logits_match_the_dequantized_weights():
     llm = _native_llm(model, dtype="float32", quantization="int4", max_num_seqs=1, max_model_len=64)
     runner = llm.model_runner
     _tokens(llm, [list(range(3, 30))], 1)
-    args = runner.prepare_rows([BatchRow([11], 27, [0, 1])], num_decodes=1)
+    rows = [BatchRow([11], 27, [0, 1]), BatchRow(list(range(40, 47)), 0, [2], num_logits=3)]
+    args = runner.prepare_rows(rows, num_decodes=1)
+    before = runner.native_step.num_steps
     got = runner.forward(*args)
-    assert runner.native_step.num_steps == 1
+    assert runner.native_step.num_steps == before + 1 and got.shape[0] == 4
     for w in runner.layers:   # the same runner on the weights the int4 codes stand for, through torch
         w.attn.qkv, w.attn.o = w.attn.qkv.dequantize().t(), w.attn.o.dequantize().t()
         w.gate_up, w.down = w.gate_up.dequantize().t(), w.down.dequantize().t()

@@ -166,12 +166,12 @@ template <typename T> inline void tile(int64_t rows, const T* x, int64_t ldx, co
   }
 }
 
-// f(m, rows, b) for every tile (rows m .. m + rows of M) of blocks b0 <= b < b1, x's rows in chunks of MC.
-template <typename F> inline void for_tiles(int64_t M, int64_t b0, int64_t b1, F&& f) {
+// f(m, rows, b) for every tile (rows m .. m + rows of M, up to mr) of blocks b0 <= b < b1, x's rows in chunks of MC.
+template <typename F> inline void for_tiles(int64_t M, int64_t b0, int64_t b1, F&& f, int64_t mr = MR) {
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t m1 = std::min(M, m0 + MC);
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m = m0; m < m1; m += MR) f(m, std::min<int64_t>(MR, m1 - m), b);
+      for (int64_t m = m0; m < m1; m += mr) f(m, std::min<int64_t>(mr, m1 - m), b);
   }
 }
 
@@ -179,63 +179,120 @@ template <typename F> inline void for_tiles(int64_t M, int64_t b0, int64_t b1, F
 inline void share(int64_t N, int t, int nt, int64_t& n0, int64_t& n1) { n0 = N * t / nt; n1 = N * (t + 1) / nt; }
 
 // ---- int4 weights (the engine's `quantization="int4"`, `quant.weight_only.WeightOnlyInt4` with groups of 32) ------
-// Row n: K/2 bytes of codes (element 2i in the low nibble of byte i, 2i+1 in the high one) and per group of 32 a bf16
-// scale and zero; the weight is (q - 8) * scale + zero, as torch's int4 kernel computes it. So
-// x . w = sum over groups of scale * (x_g . q_g) + (zero - 8 scale) * sum(x_g).
-// x is prepared once per product (`prep_q4`), rounded to bf16 as torch's int4 kernel takes its input: per block of
-// two groups (64 numbers, 32 bytes of codes) the 32 even-indexed numbers, then the 32 odd ones (the nibble order), and
-// per group the pair (-8 sum(x_g), sum(x_g)) that multiplies the group's (scale, zero). In the loop, 32 bytes of
-// codes become 64 bf16 weights by two table lookups (`vpermw`: the code is the index into 0..15 in bf16, exact) and
-// two `dpbf16` multiply them by x, summing in fp32; each group's half of the accumulator is then scaled by its
-// group's scale. The zeros' part is one more dot product, of the (scale, zero) pairs with the prepared sums.
+// The engine holds row n as K/2 bytes of codes (element 2i in the low nibble of byte i) and per group of 32 a bf16
+// scale and zero; the weight is (q - 8) * scale + zero, as torch's int4 kernel computes it. So per output
+// x . w = sum over groups g of scale_g * (x_g . q_g) + (zero_g - 8 scale_g) * sum(x_g).
+// `pack_q4` repacks the codes once into the register tile's layout: per block of 32 outputs and group of 32 inputs,
+// 8 vectors of 32 16-bit words whose 4 nibbles are 4 operands of `dpbf16` (nibble i of word j of vector l: output
+// (i & 1) * 16 + j / 2, input 4 l + 2 (i >> 1) + j % 2, the dpbf16 pair layout). The kernel turns a nibble into its
+// bf16 value by one table lookup (`vpermw`: the word's low 5 bits index a table of 0..15 written twice, exact) after a
+// shift, and multiplies it by up to MR4 rows of x (bf16, as torch's int4 kernel takes its input) in fp32 sums, a
+// group at a time; then the group's scales and zero terms. So one unpacking serves MR4 rows: batch 1 streams the
+// codes (each thread's blocks are one contiguous range) and a prefill runs at dpbf16's rate. Scales and zeros are
+// repacked too: per block and group, 32 scales then 32 zeros.
+constexpr int MR4 = 4;   // 4 partial sums per row (4 independent dpbf16 chains at batch 1) + 2 totals: 24 registers
+
+template <int R>
+inline void tile_q4_kernel(const bf16* x, int64_t ldx, const float* xs, int64_t ldxs, const uint8_t* q,
+                           const bf16* sz, int64_t K, float* out) {
 #if defined(__AVX512BF16__)
-inline float dot_q4(const bf16* xp, const float* xsum, const uint8_t* q, const bf16* sz, int64_t K) {
   const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0,
                                          0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,   // 15 .. 0
                                          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0,
                                          0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-  const __m512i low = _mm512_set1_epi16(0xF);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < K / 32; g += 2) {
-    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(q + g * 16)));   // 2 codes per lane
-    const __m512i even = _mm512_permutexvar_epi16(_mm512_and_si512(c, low), table);
-    const __m512i odd = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), table);
-    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xp + g * 32), (__m512bh)even);
-    t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(xp + g * 32 + 32), (__m512bh)odd);
-    const float s0 = to_f(sz[2 * g]), s1 = to_f(sz[2 * g + 2]);
-    acc = _mm512_fmadd_ps(t, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1)), acc);
-  }
-  // the zeros' part: (scale, zero) pairs times (-8 sum(x_g), sum(x_g)) pairs, 8 groups per instruction
-  int64_t i = 0;
-  for (; i + 16 <= K / 16; i += 16) acc = _mm512_fmadd_ps(load16(sz + i), _mm512_loadu_ps(xsum + i), acc);
-  float zsum = 0.f;
-  for (; i < K / 16; ++i) zsum += to_f(sz[i]) * xsum[i];
-  return _mm512_reduce_add_ps(acc) + zsum;
-}
-#else
-inline float dot_q4(const bf16*, const float*, const uint8_t*, const bf16*, int64_t) {
-  TORCH_CHECK(false, "int4 needs AVX512-BF16");
-}
-#endif
-
-inline void prep_q4(const float* x, int64_t M, int64_t K, bf16* xp, float* xsum) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < K / 32; g += 2) {
-      const float* src = x + m * K + g * 32;
-      bf16* dst = xp + m * K + g * 32;
-      for (int h = 0; h < 2; ++h) {   // group g + h: its evens go to lanes 16h.., its odds to 32 + 16h..
-        float sum = 0.f;
-        for (int i = 0; i < 16; ++i) {
-          put(dst + 16 * h + i, src[32 * h + 2 * i]), put(dst + 32 + 16 * h + i, src[32 * h + 2 * i + 1]);
-          sum += to_f(dst[16 * h + i]) + to_f(dst[32 + 16 * h + i]);
-        }
-        xsum[m * (K / 16) + 2 * (g + h)] = -8.f * sum, xsum[m * (K / 16) + 2 * (g + h) + 1] = sum;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m512 p[R][4];   // [0], [2]: outputs 0..15; [1], [3]: 16..31
+    for (int r = 0; r < R; ++r) p[r][0] = p[r][1] = p[r][2] = p[r][3] = _mm512_setzero_ps();
+    const uint8_t* qg = q + g * 512;
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      const __m512i w = _mm512_loadu_si512(qg + l * 64);
+      const __m512bh v0 = (__m512bh)_mm512_permutexvar_epi16(w, table);
+      const __m512bh v1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+      const __m512bh v2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 8), table);
+      const __m512bh v3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 12), table);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        uint32_t pa, pb;   // x's inputs 4 l, 4 l + 1 and 4 l + 2, 4 l + 3 of the group
+        std::memcpy(&pa, x + r * ldx + g * 32 + 4 * l, 4), std::memcpy(&pb, x + r * ldx + g * 32 + 4 * l + 2, 4);
+        const __m512bh xa = (__m512bh)_mm512_set1_epi32(pa), xb = (__m512bh)_mm512_set1_epi32(pb);
+        p[r][0] = _mm512_dpbf16_ps(p[r][0], xa, v0), p[r][1] = _mm512_dpbf16_ps(p[r][1], xa, v1);
+        p[r][2] = _mm512_dpbf16_ps(p[r][2], xb, v2), p[r][3] = _mm512_dpbf16_ps(p[r][3], xb, v3);
       }
+    }
+    const bf16* s = sz + g * 64;
+    const __m512 s0 = load16(s), s1 = load16(s + 16);
+    const __m512 z0 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s0, load16(s + 32));
+    const __m512 z1 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s1, load16(s + 48));
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(xs[r * ldxs + g]);
+      acc[r][0] = _mm512_fmadd_ps(z0, sx, _mm512_fmadd_ps(_mm512_add_ps(p[r][0], p[r][2]), s0, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(z1, sx, _mm512_fmadd_ps(_mm512_add_ps(p[r][1], p[r][3]), s1, acc[r][1]));
+    }
+  }
+  // rounded to bf16, as torch's int4 kernel returns its product
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + r * 32, vround<bf16>(acc[r][0])), _mm512_storeu_ps(out + r * 32 + 16, vround<bf16>(acc[r][1]));
+#else
+  TORCH_CHECK(false, "int4 needs AVX512-BF16");
+#endif
+}
+
+// out [rows, 32] = x [rows, K] (bf16, with its group sums xs [rows, K / 32]) times one int4 block, 1 <= rows <= MR4.
+inline void tile_q4(int64_t rows, const bf16* x, int64_t ldx, const float* xs, int64_t ldxs, const uint8_t* q,
+                    const bf16* sz, int64_t K, float* out) {
+  switch (rows) {
+    case 1: return tile_q4_kernel<1>(x, ldx, xs, ldxs, q, sz, K, out);
+    case 2: return tile_q4_kernel<2>(x, ldx, xs, ldxs, q, sz, K, out);
+    case 3: return tile_q4_kernel<3>(x, ldx, xs, ldxs, q, sz, K, out);
+    default: return tile_q4_kernel<MR4>(x, ldx, xs, ldxs, q, sz, K, out);
+  }
+}
+
+// x [M, K] fp32 for an int4 product: rounded to bf16 (xp [M, K]) and each group's sum of the rounded numbers
+// (xs [M, K / 32]).
+inline void prep_q4(const float* x, int64_t M, int64_t K, bf16* xp, float* xs) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / 32; ++g) {
+      const int64_t i = m * K + g * 32;
+      const __m512 a = vround<bf16>(_mm512_loadu_ps(x + i)), b = vround<bf16>(_mm512_loadu_ps(x + i + 16));
+      store16(xp + i, a), store16(xp + i + 16, b);
+      xs[m * (K / 32) + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     }
 }
 
-// One weight matrix of the step, [N, K]: dense in the step's dtype (packed, `pack`), or int4 codes + bf16 scales and
-// zeros (one row of codes per output, multiplied row by row: `dot_q4`).
+// codes [N, K/2] and scales and zeros [N, K/32, 2] into the tile's layout (above): codes [NB, K/32, 512] bytes,
+// scales and zeros [NB, K/32, 2, 32] (padding outputs: zero codes, scales and zeros).
+std::pair<torch::Tensor, torch::Tensor> pack_q4(const torch::Tensor& codes, const torch::Tensor& sz, int64_t N, int64_t K) {
+  const int64_t NB = (N + 31) / 32, G = K / 32;
+  auto qo = torch::zeros({NB, G, 512}, codes.options());
+  auto so = torch::zeros({NB, G, 2, 32}, sz.options());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const bf16* s = (const bf16*)sz.data_ptr();
+  uint8_t* q = qo.data_ptr<uint8_t>();
+  bf16* t = (bf16*)so.data_ptr();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t g = 0; g < G; ++g) {
+        uint16_t* words = (uint16_t*)(q + (b * G + g) * 512);
+        for (int64_t l = 0; l < 8; ++l)
+          for (int64_t j = 0; j < 32; ++j)
+            for (int64_t i = 0; i < 4; ++i) {
+              const int64_t n = b * 32 + (i & 1) * 16 + j / 2, k = g * 32 + 4 * l + 2 * (i >> 1) + j % 2;
+              if (n >= N) continue;
+              const int code = (c[n * (K / 2) + k / 2] >> (4 * (k % 2))) & 0xF;
+              words[l * 32 + j] |= uint16_t(code << (4 * i));
+            }
+        for (int64_t o = 0; o < 32 && b * 32 + o < N; ++o)
+          for (int64_t h = 0; h < 2; ++h) t[((b * G + g) * 2 + h) * 32 + o] = s[((b * 32 + o) * G + g) * 2 + h];
+      }
+  });
+  return {qo, so};
+}
+
+// One weight matrix of the step, [N, K]: dense in the step's dtype (packed, `pack`), or int4 (packed, `pack_q4`).
 struct Mat {
   torch::Tensor w, sz;   // sz empty for a dense matrix
   int64_t N = 0, K = 0;
@@ -243,15 +300,17 @@ struct Mat {
   const bf16* szp = nullptr;
   bool q4() const { return szp != nullptr; }
   int64_t blocks() const { return (N + 31) / 32; }
+  // out [rows, 32]: rows m .. m + rows of x [M, K] times block b (int4: of x prepared by `prep_q4` into xp, xs)
+  template <typename T>
+  void tile(int64_t m, int64_t rows, const T* x, const bf16* xp, const float* xs, int64_t b, float* out) const {
+    if (q4())
+      tile_q4(rows, xp + m * K, K, xs + m * (K / 32), K / 32, (const uint8_t*)wp + b * (K / 32) * 512,
+              szp + b * (K / 32) * 64, K, out);
+    else
+      ::tile(rows, x + m * K, K, (const T*)wp + b * K * 32, K, out);
+  }
+  int mr() const { return q4() ? MR4 : MR; }
 };
-
-// x[m] . w[n] for an int4 w, `xp`, `xs` holding x prepared by `prep_q4` (the result rounded to bf16, as torch's int4
-// kernel returns it).
-inline float q4_dot(const bf16* xp, const float* xs, int64_t m, const Mat& w, int64_t n) {
-  const int64_t K = w.K;
-  return round_to<bf16>(
-      dot_q4(xp + m * K, xs + m * (K / 16), (const uint8_t*)w.wp + n * (K / 2), w.szp + n * (K / 16), K));
-}
 
 // The packed layout's shape for a dense [N, K] weight of this dtype.
 std::vector<int64_t> packed_shape(bool bf, int64_t N, int64_t K) {
@@ -491,22 +550,23 @@ struct Step {
       TORCH_CHECK(t.scalar_type() == dt && t.is_contiguous() && t.sizes().vec() == shape, "Step: ", what,
                   " must be contiguous, of the embedding's dtype, shaped ", c10::IntArrayRef(shape));
     };
-    // packed in the step's dtype, or int4 (fp32 steps only): codes [N, K / 2] uint8, sz [N, K / 32, 2] bf16
+    // packed in the step's dtype, or int4 (fp32 steps only): codes [N, K / 2] uint8, sz [N, K / 32, 2] bf16, repacked
+    // here (`pack_q4`)
     auto mat = [&](const torch::Tensor& w, const torch::Tensor& sz, int64_t N, int64_t K, const char* what) {
-      Mat m{w, sz, N, K, w.data_ptr(), sz.numel() ? (const bf16*)sz.data_ptr() : nullptr};
-      if (!m.q4()) {
+      if (!sz.numel()) {
         check(w, packed_shape(is_bf16, N, K), what);
-        return m;
+        return Mat{w, sz, N, K, w.data_ptr(), nullptr};
       }
       TORCH_CHECK(dt == torch::kFloat32, "Step: int4 weights with fp32 activations only (", what, ")");
       const std::vector<int64_t> codes{N, K / 2}, scales{N, K / 32, 2};
       const bool ok = w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.sizes().vec() == codes &&
                       sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous() && sz.sizes().vec() == scales &&
-                      K % 64 == 0 && has_bf16();
+                      K % 32 == 0 && has_bf16();
       TORCH_CHECK(ok, "Step: int4 ", what, " must be uint8 codes [", N, ", ", K / 2, "] and bf16 scales and zeros [", N,
-                  ", ", K / 32, ", 2] (groups of 32, K a multiple of 64, a CPU with AVX512-BF16)");
+                  ", ", K / 32, ", 2] (groups of 32, a CPU with AVX512-BF16)");
       any_q4 = true;
-      return m;
+      auto [q, s] = pack_q4(w, sz, N, K);
+      return Mat{q, s, N, K, q.data_ptr(), (const bf16*)s.data_ptr()};
     };
     for (size_t i = 0; i < layers.size(); i += 10) {
       check(layers[i], {hidden}, "input_norm");
@@ -517,7 +577,7 @@ struct Step {
       gate_up.push_back(mat(layers[i + 6], layers[i + 7], 2 * inter, hidden, "gate_up"));
       down.push_back(mat(layers[i + 8], layers[i + 9], hidden, inter, "down"));
       // gate's block b and up's block b + I / 32 hold the same outputs' two halves
-      TORCH_CHECK(gate_up.back().q4() || inter % 32 == 0, "Step: a packed gate_up needs I a multiple of 32");
+      TORCH_CHECK(inter % 32 == 0, "Step: gate_up needs an intermediate size I that is a multiple of 32");
     }
     this->lm_head = mat(lm_head, lm_head_sz, vocab, hidden, "lm_head");
     for (size_t l = 0; l < k_cache.size(); ++l) {
@@ -622,7 +682,7 @@ struct Step {
     std::vector<float> scores(size_t(nt) * (H / Hkv) * a.max_ctx);
     const int64_t KMAX = std::max({hidden, inter, H * D});
     std::vector<bf16> xq(any_q4 ? size_t(nt) * M * KMAX : 0);   // int4 inputs, per thread
-    std::vector<float> xqs(any_q4 ? size_t(nt) * M * KMAX / 16 : 0);
+    std::vector<float> xqs(any_q4 ? size_t(nt) * M * KMAX / 32 : 0);
     const T* E = (const T*)embed.data_ptr();
     for (int64_t t = 0; t < M; ++t)
       for (int64_t i = 0; i < hidden; ++i) h[t * hidden + i] = to_f(E[a.id[t] * hidden + i]);
@@ -669,7 +729,7 @@ struct Step {
       T* x = xn.data() + size_t(t) * M * hidden;
       float* sc = scores.data() + size_t(t) * (H / Hkv) * a.max_ctx;
       bf16* xp = any_q4 ? xq.data() + size_t(t) * M * KMAX : nullptr;
-      float* xs = any_q4 ? xqs.data() + size_t(t) * M * KMAX / 16 : nullptr;
+      float* xs = any_q4 ? xqs.data() + size_t(t) * M * KMAX / 32 : nullptr;
       float tb[MR * 32], tu[MR * 32];
       int64_t n0, n1;
       using clock = std::chrono::steady_clock;
@@ -684,30 +744,21 @@ struct Step {
         mark = clock::now();
         prof_wait[t * PHASES + p] += std::chrono::duration<double>(mark - done).count();
       };
+      // int4: x rounded to bf16 with its group sums, once per product (each thread its own copy)
       auto prep = [&](const T* in, int64_t rows, const Mat& w) {
         if constexpr (std::is_same_v<T, float>) {
           if (w.q4()) prep_q4(in, rows, w.K, xp, xs);
         }
       };
       // this thread's share of w's outputs for `rows` rows of `in`: emit(m, n, v, cnt) with outputs n .. n + cnt of
-      // row m in v (fp32 sums); packed blocks of 32 outputs by register tiles, int4 rows one dot product at a time
+      // row m in v (fp32 sums), blocks of 32 outputs by register tiles
       auto mm = [&](const T* in, int64_t rows, const Mat& w, auto&& emit) {
-        if (w.q4()) {
-          prep(in, rows, w);
-          share(w.N, t, nt, n0, n1);
-          for (int64_t n = n0; n < n1; ++n)
-            for (int64_t m = 0; m < rows; ++m) {
-              const float v = q4_dot(xp, xs, m, w, n);
-              emit(m, n, &v, 1);
-            }
-          return;
-        }
+        prep(in, rows, w);
         share(w.blocks(), t, nt, n0, n1);
-        const int64_t K = w.K;
         for_tiles(rows, n0, n1, [&](int64_t m, int64_t r, int64_t b) {
-          tile(r, in + m * K, K, (const T*)w.wp + b * K * 32, K, tb);
+          w.tile(m, r, in, xp, xs, b, tb);
           for (int64_t i = 0; i < r; ++i) emit(m + i, b * 32, tb + i * 32, std::min<int64_t>(32, w.N - b * 32));
-        });
+        }, w.mr());
       };
       // h[m, n ..] = round(h + round(v)): the residual add
       auto residual = [&](int64_t m, int64_t n, const float* v, int64_t cnt) {
@@ -761,23 +812,14 @@ struct Step {
         end_phase(3);
         // 5. norm, this thread's outputs of gate and up, SiLU(gate) * up
         rms_norm((const T*)post_norm[l].data_ptr(), x, M, nullptr);
-        const Mat& gu = gate_up[l];
-        if (gu.q4()) {
-          prep(x, M, gu);
-          share(inter, t, nt, n0, n1);
-          for (int64_t n = n0; n < n1; ++n)
-            for (int64_t m = 0; m < M; ++m) {
-              const float gt = q4_dot(xp, xs, m, gu, n), up = q4_dot(xp, xs, m, gu, inter + n);
-              silu_mul(m, n, &gt, &up, 1);
-            }
-        } else {   // gate's block b and up's block b + I / 32
-          share(inter / 32, t, nt, n0, n1);
-          for_tiles(M, n0, n1, [&](int64_t m, int64_t r, int64_t b) {
-            tile(r, x + m * hidden, hidden, (const T*)gu.wp + b * hidden * 32, hidden, tb);
-            tile(r, x + m * hidden, hidden, (const T*)gu.wp + (b + inter / 32) * hidden * 32, hidden, tu);
-            for (int64_t i = 0; i < r; ++i) silu_mul(m + i, b * 32, tb + i * 32, tu + i * 32, 32);
-          });
-        }
+        const Mat& gu = gate_up[l];   // gate's block b and up's block b + I / 32
+        prep(x, M, gu);
+        share(inter / 32, t, nt, n0, n1);
+        for_tiles(M, n0, n1, [&](int64_t m, int64_t r, int64_t b) {
+          gu.tile(m, r, x, xp, xs, b, tb);
+          gu.tile(m, r, x, xp, xs, b + inter / 32, tu);
+          for (int64_t i = 0; i < r; ++i) silu_mul(m + i, b * 32, tb + i * 32, tu + i * 32, 32);
+        }, gu.mr());
         end_phase(4);
         // 6. down and the residual add
         mm(act.data(), M, down[l], residual);

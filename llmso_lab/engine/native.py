@@ -11,8 +11,8 @@ matmuls, and its attention gathers every sequence's blocks into a padded batch f
   and the work between the products on vectors of 16 on data already in cache (llama.cpp's way; what CUDA-graph
   capture buys on a GPU); attention reads keys and values through the block tables (no gather), each key once for
   the query heads that share it. fp32, bf16 (AVX512-BF16), and int4 weights with fp32 activations
-  (`quantization="int4"`, group 32, decode steps of up to 2 sequences: codes unpacked by table lookup into bf16 and
-  multiplied with `dpbf16`). It reads the runner's own weights and KV cache, so it and the torch path can take turns
+  (`quantization="int4"`, group 32: codes repacked once into the tile's layout, unpacked in registers by table lookup
+  into bf16 and multiplied with `dpbf16`, one unpacking for 4 rows of x). It reads the runner's own weights and KV cache, so it and the torch path can take turns
   on the same sequences. `NativeStep.step.profile()` says where the time went, by phase and thread.
 - `NativeLinear`: each weight packed once into blocks of 32 outputs (`pack`), multiplied by a register-tiled kernel
   (12 rows of x by 32 outputs in 24 vector registers: every weight loaded serves 12 rows); the step reads the same
@@ -20,7 +20,10 @@ matmuls, and its attention gathers every sequence's blocks into a padded batch f
 - `paged_decode`: decode attention for the torch path's decode rows where the step does not run (a sliding window,
   a bias), read through the block tables (no gather, no padding to the longest row).
 Numbers follow the torch path (same roundings, fp32 accumulation): greedy tokens equal Hugging Face's in fp32 with
-the native path on (the exactness suite), and the int4 step's tokens equal the torch int4 path's.
+the native path on (the exactness suite). int4 rounds its products and logits to bf16 as torch's int4 kernel does:
+its tokens equal the torch int4 path's on the test models, while on SmolLM2 the two best logits often round to
+the same bf16 number (an exact tie: 3 of 7 prompts part within 64 greedy tokens, as the torch int4 path's own
+batch-1 and batched runs part on 2 of them).
 
 Opt-in: `LLMSO_LAB_NATIVE=1` when the engine is built (`engine.features.native_step` / `matmul_kernel`), because
 the code is compiled with the C++ compiler on first use (`torch.utils.cpp_extension`, ~30 s, then cached in
@@ -45,19 +48,18 @@ from torch import Tensor
 from llmso_lab.engine.attention import TorchAttentionBackend
 from llmso_lab.engine.ops import linear
 
-__all__ = ["load", "NativeLinear", "NativeStep", "requested", "enabled", "MAX_ROWS", "STEP_MAX_TOKENS", "ENV"]
+__all__ = ["load", "NativeLinear", "NativeStep", "requested", "enabled", "MAX_ROWS", "ENV"]
 
 SOURCE = Path(__file__).with_name("native.cpp")
 ENV = "LLMSO_LAB_NATIVE"
 # Rows up to which the packed kernel beat the engine's own kernel on SmolLM2's matrices here (ms, native / oneDNN):
 # bf16 1.1-1.3x faster at 16 rows, even at 64, 0.93x at 512; fp32 faster at every size (1.1-1.3x at 512).
 MAX_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 64}
-# Tokens up to which a whole step in C++ (`NativeStep`) is taken: every step for dense weights, which beat the torch
-# path at every size measured on SmolLM2 (ms per step, native / torch): bf16 8.6 / 11.9 at 1 sequence, 17.9 / 25.5 at
-# 16, 34.6 / 45.8 at 32, a 512-token prefill 362 / 422, 4 x 512 tokens 1516 / 1915; fp32 16.5 / 20.4, 33.8 / 40.6,
-# 60.1 / 69.1, 584 / 706, 2347 / 2818. int4 weights only for decode steps of up to 2 sequences (their codes are
-# unpacked once per row of x: 4.6 / 8.8 ms per step at 1, 8.3 / 10.4 at 2, 15.4 / 13.5 at 4).
-STEP_MAX_TOKENS = {torch.float32: 1 << 30, torch.bfloat16: 1 << 30, "int4": 2}
+# A whole step in C++ (`NativeStep`) beat the torch path at every size measured on SmolLM2 (ms per step, native /
+# torch): bf16 8.6 / 11.9 at 1 sequence, 17.9 / 25.5 at 16, 34.6 / 45.8 at 32, a 512-token prefill 362 / 422, 4 x 512
+# tokens 1516 / 1915; fp32 16.5 / 20.4, 33.8 / 40.6, 60.1 / 69.1, 584 / 706, 2347 / 2818; int4 weights (fp32
+# activations) 2.6 / 9.5 at 1 sequence, 3.1 / 10.9 at 2, 4.6 / 13.8 at 4, 15.8 / 37.5 at 16, a 512-token prefill
+# 377 / 814. So it takes every step it can compute (`NativeStep.accepts`).
 K_MULTIPLE = {torch.float32: 1, torch.bfloat16: 2}
 
 
@@ -161,8 +163,6 @@ class NativeStep:
                              list(k), list(v), runner.num_heads, runner.num_kv_heads, runner.head_dim,
                              runner.layers[0].down.in_features, runner.lm_head.out_features, runner.eps,
                              runner.backend.scale)
-        self.int4 = any(_is_int4(m) for m in runner.weight_matrices())
-        self.max_tokens = STEP_MAX_TOKENS["int4" if self.int4 else runner.dtype]
         self.num_steps = 0
 
     @staticmethod
@@ -184,8 +184,8 @@ class NativeStep:
         if not all(isinstance(m, NativeLinear) or (runner.dtype == torch.float32 and _is_int4(m))
                    for m in runner.weight_matrices()):
             return ("every weight must go through the native kernel (fp32, or bf16 with AVX512-BF16) or be int4 in "
-                    "groups of 32 with inputs a multiple of 64 (quantization='int4', dtype='float32', AVX512-BF16)")
-        if isinstance(runner.layers[0].gate_up, NativeLinear) and runner.layers[0].down.in_features % 32:
+                    "groups of 32 (quantization='int4', dtype='float32', AVX512-BF16)")
+        if runner.layers[0].down.in_features % 32:
             return f"intermediate_size {runner.layers[0].down.in_features} is not a multiple of 32"
         if runner.head_dim % 16 or runner.head_dim > 512:
             return f"head_dim {runner.head_dim} is not a multiple of 16 up to 512"
@@ -193,13 +193,9 @@ class NativeStep:
 
     def accepts(self, runner, input_ids: Tensor, meta, logits_indices: Tensor, inputs_embeds) -> bool:
         """Is this forward one the native step computes exactly as the torch path would? Any varlen batch of real
-        tokens (no lock-step padding or idle rows: each sequence's query tokens are exactly its new cache entries),
-        with int4 weights only decode steps of up to `STEP_MAX_TOKENS["int4"]` sequences; no hooks, no embeddings."""
-        n = input_ids.shape[0]
-        if n > self.max_tokens or inputs_embeds is not None or runner.kv_hook is not None \
-                or runner.final_hidden_hook is not None:
-            return False
-        if self.int4 and meta.num_decodes != n:
+        tokens (no lock-step padding or idle rows: each sequence's query tokens are exactly its new cache entries);
+        no hooks, no embeddings."""
+        if inputs_embeds is not None or runner.kv_hook is not None or runner.final_hidden_hook is not None:
             return False
         return all(q == c - s for q, c, s in zip(meta.query_lens, meta.context_lens_host, meta.start_positions))
 
@@ -214,7 +210,7 @@ class NativeStep:
 def _is_int4(m) -> bool:
     from llmso_lab.quant.weight_only import WeightOnlyInt4
     mod, _ = load()
-    return (isinstance(m, WeightOnlyInt4) and m.group_size == 32 and m.in_features % 64 == 0 and not m.use_cuda
+    return (isinstance(m, WeightOnlyInt4) and m.group_size == 32 and m.in_features % 32 == 0 and not m.use_cuda
             and m.bias is None and mod is not None and mod.has_bf16())
 
 
