@@ -216,7 +216,8 @@ def _is_int4(m) -> bool:
 
 def _matrix(m) -> tuple[Tensor, Tensor]:
     """(weight, scales and zeros) as `Step` takes a matrix: a `NativeLinear`'s packed copy and an empty tensor, or an
-    int4 matrix's codes [out, in / 2] (uint8, two per byte) and its bf16 scale and zero per group [out, in / 32, 2]."""
+    int4 matrix's codes [out, in / 2] (uint8, two per byte) and its bf16 scale and zero per group [out, in / 32, 2],
+    which `Step` repacks into its tile's layout (a second copy beside the engine's, ~0.6 byte per weight)."""
     if isinstance(m, NativeLinear):
         return m.packed, torch.empty(0)
     return m.qt.packed.contiguous(), m.scales_and_zeros.contiguous()
