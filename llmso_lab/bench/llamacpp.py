@@ -16,8 +16,8 @@ Dtypes: fp32 and bf16 (llama.cpp: the cached SmolLM2 converted to f32 / bf16 GGU
 the file the SmolLM2 weights come from, and Q4_0 made by `llama-quantize` where the peer built it).
 
 A third system runs where it builds on this machine: the engine with its opt-in native path (`engine.native`,
-`LLMSO_LAB_NATIVE=1`: every forward step as one C++ call, int4 included), ratios `engine_native_vs_llamacpp_*` (`native=False` leaves it out; `native` in the JSON says whether it
-ran and why).
+`LLMSO_LAB_NATIVE=1`: every forward step as one C++ call, int4 included), ratios `engine_native_vs_llamacpp_*`
+(`native=False` leaves it out; `native` in the JSON says whether it ran and why).
 
 Alternation: per dtype, rounds of (engine, llama.cpp, ...); every llama.cpp tool is a fresh process (it mmaps the
 GGUF and runs its own warm-up), the engine is built and warmed up once per dtype. Both use this process's torch

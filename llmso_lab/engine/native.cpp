@@ -780,7 +780,6 @@ struct Step {
           put(y + c, round_to<T>(g / (1.f + std::exp(-g))) * round_to<T>(up[c]));
         });
       };
-      // dst row m from n on = round(v)
       for (int64_t l = 0; l < L; ++l) {
         T* kc = (T*)k_cache[l].data_ptr();
         T* vc = (T*)v_cache[l].data_ptr();

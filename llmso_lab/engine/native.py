@@ -12,8 +12,8 @@ matmuls, and its attention gathers every sequence's blocks into a padded batch f
   capture buys on a GPU); attention reads keys and values through the block tables (no gather), each key once for
   the query heads that share it. fp32, bf16 (AVX512-BF16), and int4 weights with fp32 activations
   (`quantization="int4"`, group 32: codes repacked once into the tile's layout, unpacked in registers by table lookup
-  into bf16 and multiplied with `dpbf16`, one unpacking for 4 rows of x). It reads the runner's own weights and KV cache, so it and the torch path can take turns
-  on the same sequences. `NativeStep.step.profile()` says where the time went, by phase and thread.
+  into bf16 and multiplied with `dpbf16`, one unpacking for 4 rows of x). It reads the runner's own weights and KV
+  cache, so it and the torch path can take turns on the same sequences. `NativeStep.step.profile()` says where the time went, by phase and thread.
 - `NativeLinear`: each weight packed once into blocks of 32 outputs (`pack`), multiplied by a register-tiled kernel
   (12 rows of x by 32 outputs in 24 vector registers: every weight loaded serves 12 rows); the step reads the same
   packed copies, and products outside the step take it up to `MAX_ROWS` rows (the engine's usual kernel beyond).
