@@ -300,8 +300,15 @@ def test_harness_exercises_run_the_students_object_inside_the_library(monkeypatc
     ex = Exercise("square", "99", 10, "harness_ref:square", [Case("x = 3", (3,))], compare=exact(),
                   harness="harness_ref:run_on_two")
     assert expected_values(ex) == [[9, 16]]
-    target, _ = check_target(ex, lambda x: x * x)
-    assert target(3) == [9, 16]
+    from llmso_lab.grading import judge
+    from llmso_lab.grading.protocol import attempt_call
+    from llmso_lab.grading.remote import LocalSession
+
+    square = lambda x: x * x  # noqa: E731
+    target, _ = check_target(ex, square)
+    assert target is square   # the harness calls it; the harness itself runs where the judge is (`judge.run`)
+    assert judge.run(ex, LocalSession(square, lambda thunk, raw=False: attempt_call(thunk, None, raw=raw)),
+                     ex.cases[0]) == [9, 16]
     assert verdict(ex, ex.cases[0], outcome_in_process(ex, lambda x: x * x, 0), [9, 16]) is None
     assert verdict(ex, ex.cases[0], outcome_in_process(ex, lambda x: 2 * x, 0), [9, 16]) is not None
     with pytest.raises(ValueError, match="kind 'function'"):

@@ -450,7 +450,7 @@ def test_lab07_drafter_cannot_hand_the_engine_the_librarys_prompt_lookup(tmp_pat
     assert "TRIPWIRE" in tests["PromptLookupDrafter"]["output"]
 
 
-# ---- a harness measures in the student's process: what it measures with must stay as it was -----------------------
+# ---- patching the library in the student's process changes nothing the grader measures --------------------------
 FORGE_HARNESS = """\
 import llmso_lab.parallel.tensor as tensor
 def tp_mlp_forward(x, gate, up, down, group):
@@ -477,8 +477,9 @@ launcher.RankError.brief = lambda self: None   # a library class's method
 
 
 @pytest.mark.parametrize("source", [FORGE_HARNESS, FORGE_TORCH, FORGE_CLASS], ids=["harness", "torch", "class"])
-def test_patching_what_a_harness_measures_with_costs_the_exercise(tmp_path, source):
+def test_patching_what_a_harness_measures_with_earns_nothing(tmp_path, source):
+    """The harness runs in the grader (issue 49): what the submission replaces in its own process is not what
+    measures it, so the wrong MLP behind the patch is graded as the wrong MLP it is."""
     tests, _ = graded(tmp_path, "08", {"lab08/tp_mlp_forward": source}, only=["tp_mlp_forward"])
     t = tests["tp_mlp_forward"]
     assert t["score"] == 0, t["output"]
-    assert "TRIPWIRE" in t["output"] and "replaced `" in t["output"], t["output"]

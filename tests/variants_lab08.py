@@ -60,7 +60,14 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "    g, u = gu.split(g_r.shape[0], dim=-1)\n"
                   "    out = F.linear(g * torch.sigmoid(g) * u, d_r)\n"
                   "    group.all_reduce(out)  # in place\n"
-                  "    return out\n"],
+                  "    return out\n",
+                  "import torch\n"
+                  "def tp_mlp_forward(x, gate, up, down, group):\n"
+                  "    # a strided partition: rank r owns features r, r + tp, r + 2 tp, ... (as Megatron-correct as\n"
+                  "    # contiguous shards: each rank holds 1/tp of the weights, one all-reduce, output equal to TP = 1)\n"
+                  "    idx = torch.arange(group.rank, gate.shape[0], group.size)\n"
+                  "    h = torch.nn.functional.silu(x @ gate[idx].t()) * (x @ up[idx].t())\n"
+                  "    return group.all_reduce(h @ down[:, idx].t())\n"],
     },
     "lab08/tp_allreduces_per_token": {
         "wrong": ["def tp_allreduces_per_token(num_layers):\n"

@@ -322,7 +322,9 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                                  "end = self.sinks + evictable\n"
                                  "        for block_id in seq.block_table[end - k:end]:   # the newest evictable blocks\n"
                                  "            self.release(block_id)\n"
-                                 "        del seq.block_table[end - k:end]")],
+                                 "        del seq.block_table[end - k:end]"),
+                  # no sink floor: a chunk that starts inside the sinks is capped as if it started past them
+                  POLICY.replace("max(self.sinks, first_written)", "first_written")],
         "right": [POLICY, POLICY_LOOPS],
     },
     "lab10/cacheblend_select": {
@@ -335,7 +337,9 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
                   "def cacheblend_select(new, old, ratio):\n"
                   "    n = new.shape[2]\n"
                   "    g = torch.Generator().manual_seed(0)\n"
-                  "    return torch.randperm(n, generator=g)[:int(ratio * n + 0.5)].sort().values  # random tokens\n"],
+                  "    return torch.randperm(n, generator=g)[:int(ratio * n + 0.5)].sort().values  # random tokens\n",
+                  # Python's round() rounds half to even: 24.5 tokens -> 24, not 25 (the hidden half-way cases)
+                  BLEND_SEL.replace("k = int(ratio * dev.numel() + 0.5)", "k = round(ratio * dev.numel())")],
         "right": [BLEND_SEL, BLEND_TOPK],
     },
 }

@@ -13,9 +13,11 @@ import inspect
 from dataclasses import dataclass
 from functools import partial
 
-from llmso_lab.grading.protocol import attempt, verdict
+from llmso_lab.grading import judge
+from llmso_lab.grading.protocol import attempt, attempt_call, verdict
 from llmso_lab.grading.registry import Exercise, expected_value, get_exercise, resolve
-from llmso_lab.grading.tripwire import DispatcherTripwire, tripwire
+from llmso_lab.grading.remote import ChannelClosed, LocalSession
+from llmso_lab.grading.tripwire import Armed, DispatcherTripwire, tripwire
 
 __all__ = ["check", "CheckResult", "check_target"]
 
@@ -46,8 +48,8 @@ class CheckResult:
 def check_target(ex: Exercise, obj):
     """(what to call, its source file) for the object the student defined; a kernel goes through the
     library's launcher, as in the grader."""
-    if ex.harness is not None:
-        return partial(resolve(ex.harness), obj), _source_file(obj)
+    if ex.harness is not None:   # called by the harness, through `judge.run` (see `outcome_in_process`)
+        return obj, _source_file(obj)
     if ex.launcher is None:
         return obj, _source_file(obj)
     code = getattr(getattr(obj, "fn", None), "__code__", None)
@@ -77,11 +79,29 @@ def spec_functions() -> list[str]:
     return refs
 
 
+def _disabled(ex: Exercise) -> tuple[str, ...]:
+    return tuple(dict.fromkeys((*ex.disabled, *spec_functions())))
+
+
 def outcome_in_process(ex: Exercise, obj, index: int) -> dict:
-    """Run case `index` on the student's object here, references disabled (what the grader's child does)."""
+    """Run case `index` on the student's object here, references disabled (what the grader's child does). A mechanism
+    exercise runs as in the grader: its harness through `judge.outcome`, the student's object served by the grader's
+    own child code (`remote.LocalSession`), the tripwires armed only while the student's code runs."""
     target, source_file = check_target(ex, obj)
-    disabled = tuple(dict.fromkeys((*ex.disabled, *spec_functions())))
-    with tripwire(disabled, ex.key), DispatcherTripwire(ex.disabled, ex.key) as watch:
+    if ex.harness is not None:
+        with DispatcherTripwire(ex.disabled, ex.key) as watch:
+            arm = Armed(_disabled(ex), ex.key)
+
+            def run(thunk, raw=False):
+                with arm:
+                    out = attempt_call(thunk, source_file, raw=raw, catch_interrupt=False)
+                return out if watch.intact() else {"ok": False, "category": "tripwire", "error": watch.broken_message()}
+
+            try:
+                return judge.outcome(ex, LocalSession(target, run), ex.cases[index])
+            except ChannelClosed as closed:
+                return {"ok": False, "category": "error", "error": f"stopped: {closed}"}
+    with tripwire(_disabled(ex), ex.key), DispatcherTripwire(ex.disabled, ex.key) as watch:
         outcome = attempt(target, ex.cases[index], ex.kind, source_file, catch_interrupt=False)
         if not watch.intact():
             return {"ok": False, "category": "tripwire", "error": watch.broken_message()}

@@ -3,8 +3,9 @@
 Runs in the sandbox (`sandbox.py`) against the student bundle's copy of the library, in which the exercise's
 references are stubs (`tripwire.stub_package`). It executes ONE exercise cell, then answers the grader's
 cases one at a time over two pipes (`protocol.py`). It never sees expected values nor a list of the hidden
-cases; the grader compares and scores. Functions that start processes (the parallelism lab) work the same
-way: their children live in the job's PID namespace and die with it.
+cases; the grader compares and scores. A mechanism exercise (`Exercise.harness`) is served instead of called: its
+harness runs in the grader and every call it makes on the student's object arrives here as a message
+(`remote.serve`); the answers are plain data.
 """
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def _target(job: dict, ns: dict, cell_file: str):
     obj = ns.get(name)
     if obj is None:
         return None, f"`{name}` is not defined after running its cell"
-    if job.get("harness"):   # a mechanism exercise: the library runs the student's object for real
-        return partial(resolve(job["harness"]), obj), None
+    if job.get("harness"):   # a mechanism exercise: the grader runs the harness and calls this object (`remote`)
+        return obj, None
     if not job["launcher"]:
         return obj, None
     # A Triton exercise: the student's kernel, launched by the library's launcher (a fixed grid), so the
@@ -81,13 +82,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from llmso_lab.grading.protocol import argument_classes, attempt, describe, recv, send
+    from llmso_lab.grading.protocol import argument_classes, attempt, attempt_call, describe, recv, send
     from llmso_lab.grading.registry import Case
-    from llmso_lab.grading.tripwire import DispatcherTripwire, LibraryGuard, disable
+    from llmso_lab.grading.remote import serve
+    from llmso_lab.grading.tripwire import DispatcherTripwire, disable
 
     disable(job["runtime_tripwires"], job["exercise"])   # builtins; library references are stubs already
     watch = DispatcherTripwire(job["operator_tripwires"], job["exercise"]).install()   # their aten operators
-    guard = LibraryGuard(job.get("harness"), job["exercise"]).install()   # a harness measures in this process
     ns: dict = {"__name__": "__main__"}
     exec(compile(prelude(job), "<prelude>", "exec"), ns)
     # Give the cell a real file so inspect.getsource works (Triton's @jit needs it).
@@ -105,8 +106,16 @@ def main() -> None:
     if target is None:
         return
     classes = argument_classes()   # e.g. hardware.Link: case arguments that are not plain data
-    # the cell itself may have removed the dispatcher tripwire, or patched what a harness measures with
-    broken = watch.broken_message() if not watch.intact() else guard.broken_message() if not guard.intact() else None
+    # the cell itself may have removed the dispatcher tripwire
+    broken = watch.broken_message() if not watch.intact() else None
+    if job.get("harness"):   # the harness runs in the grader: answer its calls on the student's object
+        def run(thunk, raw=False):
+            nonlocal broken
+            outcome = attempt_call(thunk, cell_file, raw=raw)
+            if not broken and not watch.intact():   # once removed or patched, no later call counts either
+                broken = watch.broken_message()
+            return {"ok": False, "category": "tripwire", "error": broken} if broken else outcome
+        return serve(target, lambda m: send(wfd, m), lambda: recv(rfd, classes=classes), run)
     while True:
         try:
             msg = recv(rfd, classes=classes)
@@ -119,8 +128,6 @@ def main() -> None:
         outcome = attempt(target, case, job["kind"], cell_file)
         if not broken and not watch.intact():   # once removed or patched, no later case counts either
             broken = watch.broken_message()
-        if not broken and not guard.intact():
-            broken = guard.broken_message()
         send(wfd, {"ok": False, "category": "tripwire", "error": broken} if broken else outcome)
 
 

@@ -28,8 +28,10 @@ import torch
 from llmso_lab.grading import sandbox
 from llmso_lab.grading.integrity import near_copy
 from llmso_lab.grading.notebook import exercise_cell_source, read_notebook
+from llmso_lab.grading import judge
 from llmso_lab.grading.protocol import recv, send, verdict
 from llmso_lab.grading.registry import Exercise, exercises, expected_value, resolve
+from llmso_lab.grading.remote import ChannelClosed, Session
 from llmso_lab.grading.tripwire import PACKAGE_DIR, operator_tripwires, stub_package
 
 __all__ = ["ExerciseResult", "Runtime", "grade_notebook", "grade_exercise", "expected_values", "format_table",
@@ -234,8 +236,12 @@ def _converse(ex: Exercise, case_w: int, result_r: int, deadline: float, timeout
         if not isinstance(header, dict):
             raise ValueError("malformed start message")
         if header.get("problem") is None:
+            session = Session(lambda m: send(case_w, m, deadline), lambda: recv(result_r, deadline))
             for i in order:
                 c = ex.cases[i]
+                if ex.harness:   # the harness runs here; the student's object answers its calls from the sandbox
+                    outcomes[i] = _judge_case(ex, session, c)
+                    continue
                 send(case_w, {"args": list(c.args), "kwargs": dict(c.kwargs),
                               "calls": [[m, list(a), dict(k)] for m, a, k in c.calls] if c.calls is not None else None},
                      deadline)
@@ -248,6 +254,16 @@ def _converse(ex: Exercise, case_w: int, result_r: int, deadline: float, timeout
     except ValueError as exc:
         how = str(exc)
     return header, outcomes, how
+
+
+def _judge_case(ex: Exercise, session: Session, case) -> dict:
+    """One case of a mechanism exercise: its harness run in this process on the student's object (`judge.outcome`).
+    A child that is gone, too slow or malformed stops the exercise."""
+    try:
+        return judge.outcome(ex, session, case)
+    except ChannelClosed as closed:
+        raise closed.why if isinstance(closed.why, (TimeoutError, EOFError, BrokenPipeError, ValueError)) \
+            else ValueError(str(closed.why)) from None
 
 
 def _finish(proc: subprocess.Popen, rt: Runtime, how: str) -> str:

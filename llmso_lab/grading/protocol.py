@@ -136,14 +136,22 @@ def describe(exc: BaseException, source_file: str | None) -> dict[str, str]:
 
 def attempt(target: Callable, case: Case, kind: str, source_file: str | None, *, catch_interrupt: bool = True) -> dict:
     """Run one case: {"ok": True, "value": plain data} or {"ok": False, "error": ..., "category": ...}."""
+    return attempt_call(lambda: run_case(target, case, kind), source_file, catch_interrupt=catch_interrupt)
+
+
+def attempt_call(thunk: Callable[[], Any], source_file: str | None, *, catch_interrupt: bool = True,
+                 raw: bool = False) -> dict:
+    """Run student code: {"ok": True, "value": its result as plain data (raw: as it is)} or {"ok": False, ...}."""
     try:
-        value = run_case(target, case, kind)
+        value = thunk()
     except KeyboardInterrupt:
         if not catch_interrupt:
             raise
         return {"ok": False, "category": "error", "error": "interrupted"}
     except BaseException as exc:  # SystemExit included: report and carry on with the next case
         return {"ok": False, **describe(exc, source_file)}
+    if raw:
+        return {"ok": True, "value": value}
     try:
         return {"ok": True, "value": to_plain(value)}
     except TypeError as exc:

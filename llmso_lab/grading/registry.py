@@ -67,13 +67,17 @@ class Exercise:
     launcher: str | None = None       # `launcher(kernel, *args, **kwargs)` from the library, never the student's
     harness: str | None = None   # mechanism exercises: the library runs the student's function or class for real,
                                  # `harness(obj, *args, **kwargs)` (e.g. the engine with the student's drafter plugged
-                                 # in); its expected value is the same harness run with the reference (or `oracle`)
+                                 # in); its expected value is the same harness run with the reference (or `oracle`).
+                                 # The grader runs it in its own process on a proxy of the student's object (`judge`)
 
     @property
     def disabled(self) -> tuple[str, ...]:
         """Everything disabled while the exercise runs: the reference, the tripwires and the oracle (which
-        computes the answer by definition)."""
-        return tuple(dict.fromkeys((self.reference, *self.tripwires, *((self.oracle,) if self.oracle else ()))))
+        computes the answer by definition), and the Triton kernels any of them launches (`tripwire.kernels_behind`)."""
+        from llmso_lab.grading.tripwire import kernels_behind
+
+        refs = tuple(dict.fromkeys((self.reference, *self.tripwires, *((self.oracle,) if self.oracle else ()))))
+        return refs + tuple(kernels_behind(refs))
 
     @property
     def key(self) -> str:

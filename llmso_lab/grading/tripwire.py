@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,9 +44,18 @@ def _unwrap(obj: Any) -> Any:
     return obj
 
 
+def _kernel_fn(obj: Any) -> Any:
+    """The Python function behind a `@triton.jit` kernel (JITFunction, or InterpretedFunction under the
+    interpreter), else None."""
+    fn = getattr(obj, "fn", None)
+    return fn if inspect.isfunction(fn) and type(obj).__module__.startswith("triton") else None
+
+
 def _functions(obj: Any) -> list:
     if isinstance(obj, property):
         obj = obj.fget
+    if (kernel := _kernel_fn(obj)) is not None:
+        return [kernel]   # stubbed at the source (the grader's child) or by its code (check(), the interpreter)
     obj = _unwrap(obj)
     if inspect.isfunction(obj):
         return [obj]
@@ -82,6 +92,41 @@ def _owner(ref: str) -> tuple[Any, str]:
     mod, _, attr = ref.partition(":")
     parent, _, last = attr.rpartition(".")
     return (resolve(f"{mod}:{parent}") if parent else importlib.import_module(mod)), last
+
+
+def kernels_behind(references: Sequence[str], depth: int = 3) -> list[str]:
+    """The `@triton.jit` kernels of this package that the functions in `references` launch, directly or through the
+    package's functions they call (up to `depth` calls down): disabled with them, so that a submission cannot launch
+    the kernel itself instead of its disabled wrapper."""
+    found, seen = [], set()
+
+    def walk(fn: Any, left: int) -> None:
+        if id(fn) in seen or left < 0 or not _in_package(fn):
+            return
+        seen.add(id(fn))
+        names, codes = set(), [fn.__code__]
+        while codes:
+            code = codes.pop()
+            names |= set(code.co_names)
+            codes += [c for c in code.co_consts if inspect.iscode(c)]
+        objs = [fn.__globals__.get(n) for n in names]
+        objs += [getattr(m, n, None) for m in objs if inspect.ismodule(m) for n in names]
+        for obj in objs:
+            if (kernel := _kernel_fn(obj)) is not None and _in_package(kernel):
+                ref = f"{kernel.__module__}:{kernel.__name__}"
+                if ref not in found:
+                    found.append(ref)
+            elif inspect.isfunction(obj):
+                walk(obj, left - 1)
+
+    for ref in references:
+        try:
+            fns = _functions(resolve(ref))
+        except (ImportError, AttributeError):
+            continue
+        for fn in fns:
+            walk(fn, depth)
+    return [k for k in found if k not in references]
 
 
 def why_not_disableable(ref: str) -> str | None:
@@ -138,6 +183,30 @@ def tripwire(references: str | Sequence[str], exercise: str) -> Iterator[None]:
     finally:
         for owner, attr, original in reversed(saved):
             setattr(owner, attr, original)
+
+
+class Armed:
+    """`tripwire(references)`, armed while any student call runs (ranks run several at once) and disarmed between
+    them: a mechanism exercise's harness runs the library around the student's code in the same process (check(),
+    the delegation scan), and the engine keeps its own functions; only what the student's code calls trips."""
+
+    def __init__(self, references: Sequence[str], exercise: str) -> None:
+        self.references, self.exercise = tuple(references), exercise
+        self.lock, self.count, self.context = threading.Lock(), 0, None
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.count == 0:
+                self.context = tripwire(self.references, self.exercise)
+                self.context.__enter__()
+            self.count += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.count -= 1
+            if self.count == 0:
+                self.context.__exit__(None, None, None)
+                self.context = None
 
 
 def disable(references: Sequence[str], exercise: str) -> None:
@@ -287,63 +356,3 @@ class DispatcherTripwire:
 
     def __exit__(self, *exc) -> None:
         self.remove()
-
-
-class LibraryGuard:
-    """What a harness exercise's graded code must leave alone. A harness (`Exercise.harness`) runs in the student's
-    process and measures there (counts, timelines, outputs gathered from ranks), so a cell that replaced the
-    harness's helpers, a library class's method, a torch function or a builtin could forge what it reports.
-    `install` imports the harness's whole subpackage and records the identity of every module-level name and class
-    member of the loaded `llmso_lab` modules, of torch's top level, `torch.Tensor`, `torch.nn.functional` and
-    `torch.distributed`, and of the builtins; `intact()` says whether every recorded name still holds the same object
-    (new names are allowed)."""
-
-    def __init__(self, harness: str | None, exercise: str) -> None:
-        self.harness, self.exercise = harness, exercise
-        self._ids: dict[tuple[int, str], int] = {}
-        self._owners: list[object] = []
-        self.changed: str | None = None
-
-    def install(self) -> "LibraryGuard":
-        import builtins
-        import pkgutil
-        import sys
-
-        if not self.harness:
-            return self
-        module = self.harness.partition(":")[0]
-        package = importlib.import_module(module.rsplit(".", 1)[0])
-        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
-            importlib.import_module(info.name)
-        resolve(self.harness)
-        try:   # importing a Hugging Face model module rebinds torch.manual_seed: do it before the snapshot, not during a case
-            importlib.import_module("transformers.models.llama.modeling_llama")
-        except ImportError:
-            pass
-        import torch
-        import torch.distributed
-        import torch.nn.functional
-        owners = [builtins, torch, torch.Tensor, torch.nn.functional, torch.distributed]
-        for name, mod in list(sys.modules.items()):
-            if name.startswith("llmso_lab") and mod is not None:
-                owners.append(mod)
-                owners += [c for c in vars(mod).values() if isinstance(c, type) and c.__module__ == name]
-        self._owners = owners
-        self._ids = {(i, k): id(v) for i, owner in enumerate(owners) for k, v in list(vars(owner).items())}
-        return self
-
-    def intact(self) -> bool:
-        for (i, k), ident in self._ids.items():
-            owner = self._owners[i]
-            if id(vars(owner).get(k, _MISSING)) != ident:
-                self.changed = f"{getattr(owner, '__name__', owner)}.{k}"
-                return False
-        return True
-
-    def broken_message(self) -> str:
-        return (f"{MARK}: the graded code replaced `{self.changed}` while exercise '{self.exercise}' was graded; a "
-                "harness measures your code in your process, so the library, torch and the builtins must stay as they "
-                "are. This check and the ones after it are not counted.")
-
-
-_MISSING = object()

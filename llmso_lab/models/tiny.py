@@ -1,12 +1,17 @@
 """Tiny seeded random Hugging Face models for fast tests: same seed -> same weights on every machine."""
 from __future__ import annotations
 
+import threading
+
 import torch
+
+_GLOBAL_RNG = threading.Lock()   # Hugging Face initialises weights from torch's global generator
 
 
 def _seeded(build, seed: int, dtype: torch.dtype):
-    # Initialise under a private generator state so the caller's RNG is untouched.
-    with torch.random.fork_rng(devices=[]):
+    # Initialise under a private generator state so the caller's RNG is untouched; one build at a time, so that two
+    # threads (the grader judges two mechanism exercises at once, `grading.judge`) cannot interleave their draws.
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build()
     return model.to(dtype).eval()

@@ -362,11 +362,7 @@ def _schedule_rank(rank: int, world_size: int, fn, num_microbatches: int, rows: 
     sender's clock. It depends on the order of the stage's calls only, not on how busy the machine is."""
     import torch.distributed as dist
 
-    weight = _stage_weight(rank, hidden, seed)
-    inputs = None
-    if rank == 0:
-        gen = torch.Generator().manual_seed(seed)
-        inputs = [torch.randn(rows, hidden, generator=gen) for _ in range(num_microbatches)]
+    inputs = pipeline_stage_inputs(world_size, num_microbatches, rows, hidden, seed) if rank == 0 else None
     pending, intervals, logical = [], [], []
     clock = [0.0]   # this stage's logical time, in slots
     dist.barrier()
@@ -378,7 +374,7 @@ def _schedule_rank(rank: int, world_size: int, fn, num_microbatches: int, rows: 
         """This stage's layers on one micro-batch; takes `slot_s` of wall time (a sleep stands in for the GPU kernel,
         so that ranks sharing 2 cores do not slow each other and the timing shows the schedule alone)."""
         start = time.perf_counter()
-        y = torch.tanh(x @ weight)
+        y = stage_compute(rank, x, hidden, seed)
         time.sleep(max(0.0, slot_s - (time.perf_counter() - start)))
         intervals.append((start - t0, time.perf_counter() - t0))
         logical.append((clock[0], clock[0] + 1.0))
@@ -414,10 +410,8 @@ def _schedule_rank(rank: int, world_size: int, fn, num_microbatches: int, rows: 
     for work, _ in pending:
         work.wait()
     dist.barrier()   # no rank tears the group down while a peer still receives
-    if rank == world_size - 1:
-        if not isinstance(out, (list, tuple)) or not all(isinstance(y, Tensor) for y in out):
-            raise TypeError("the last stage must return the list of its micro-batch outputs (tensors)")
-        out = [y.detach().clone() for y in out]
+    if rank == world_size - 1 and isinstance(out, (list, tuple)):
+        out = [y.detach().clone() if isinstance(y, Tensor) else y for y in out]
     return {"intervals": intervals, "logical": logical, "outputs": out if rank == world_size - 1 else None}
 
 
@@ -437,32 +431,54 @@ def run_pipeline_stage(fn, num_stages: int, num_microbatches: int, rows: int = 2
     Raises launcher.RankError ('rank r: the exception') when `fn` fails in a rank."""
     from llmso_lab.parallel.launcher import RankError, launch
 
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    split_batch(num_microbatches, num_microbatches)     # checks num_microbatches
+    pipeline_stage_inputs(num_stages, num_microbatches, rows, hidden, seed)   # checks the arguments
     try:
         ranks = launch(_schedule_rank, num_stages, args=(fn, num_microbatches, rows, hidden, seed, slot_ms / 1e3),
                        timeout_s=timeout_s, start_method="fork")
     except RankError as err:
         raise err.brief() from None
+    return pipeline_stage_report(ranks[-1]["outputs"], [r["logical"] for r in ranks], [r["intervals"] for r in ranks],
+                                 num_microbatches, rows, hidden, seed)
+
+
+def pipeline_stage_inputs(num_stages: int, num_microbatches: int, rows: int, hidden: int, seed: int) -> list[Tensor]:
+    """Stage 0's micro-batches [rows, hidden] of a `run_pipeline_stage` run (seeded); checks the arguments."""
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    split_batch(num_microbatches, num_microbatches)     # checks num_microbatches
     gen = torch.Generator().manual_seed(seed)
-    expected = [torch.randn(rows, hidden, generator=gen) for _ in range(num_microbatches)]
+    return [torch.randn(rows, hidden, generator=gen) for _ in range(num_microbatches)]
+
+
+def stage_compute(stage: int, x: Tensor, hidden: int, seed: int) -> Tensor:
+    """What stage `stage` computes on one micro-batch in the exercise's pipeline: tanh(x @ W_stage)."""
+    return torch.tanh(x @ _stage_weight(stage, hidden, seed))
+
+
+def pipeline_stage_report(outputs, logical: list[list[tuple[float, float]]], wall: list[list[tuple[float, float]]] | None,
+                          num_microbatches: int, rows: int, hidden: int, seed: int) -> dict:
+    """Judge a pipeline run from the last stage's outputs and every stage's compute intervals on the logical clock
+    (`logical[s]`, one per compute call, kept by the harness, never by the stage's code) and, where measured, the
+    wall clock (`wall[s]`; None: not measured). See `run_pipeline_stage` for the keys."""
+    if not isinstance(outputs, (list, tuple)) or not all(isinstance(y, Tensor) for y in outputs):
+        raise TypeError("the last stage must return the list of its micro-batch outputs (tensors)")
+    expected = pipeline_stage_inputs(len(logical), num_microbatches, rows, hidden, seed)
     with torch.no_grad():
-        for s in range(num_stages):
-            expected = [torch.tanh(x @ _stage_weight(s, hidden, seed)) for x in expected]
-    got = ranks[-1]["outputs"]
-    equal = len(got) == len(expected) and all(g.shape == e.shape and torch.allclose(g.float(), e, atol=1e-6)
-                                              for g, e in zip(got, expected))
-    wall = [Interval(s, j, "prefill", a, b) for s, r in enumerate(ranks) for j, (a, b) in enumerate(r["intervals"])]
-    ideal = [Interval(s, j, "prefill", a, b) for s, r in enumerate(ranks) for j, (a, b) in enumerate(r["logical"])]
-    if not wall:
+        for s in range(len(logical)):
+            expected = [stage_compute(s, x, hidden, seed) for x in expected]
+    equal = len(outputs) == len(expected) and all(
+        g.shape == e.shape and torch.allclose(g.float(), e, atol=1e-6) for g, e in zip(outputs, expected))
+    ideal = [Interval(s, j, "prefill", a, b) for s, r in enumerate(logical) for j, (a, b) in enumerate(r)]
+    if not ideal:
         raise ValueError("no stage called compute(): nothing ran")
+    timed = None if wall is None else [Interval(s, j, "prefill", a, b) for s, r in enumerate(wall) for j, (a, b) in enumerate(r)]
     return {"outputs_equal_single_process": bool(equal),
-            "computes_per_stage": [len(r["intervals"]) for r in ranks],
-            "bubble": round(measured_bubble(ideal, num_stages), 3),
+            "computes_per_stage": [len(r) for r in logical],
+            "bubble": round(measured_bubble(ideal, len(logical)), 3),
             "makespan_slots": max(iv.t_end for iv in ideal) - min(iv.t_start for iv in ideal),
-            "bubble_wall": round(measured_bubble(wall, num_stages), 3),
-            "timeline": [(iv.stage, iv.microbatch, round(iv.t_start, 4), round(iv.t_end, 4)) for iv in wall]}
+            "bubble_wall": None if timed is None else round(measured_bubble(timed, len(logical)), 3),
+            "timeline": None if timed is None else [(iv.stage, iv.microbatch, round(iv.t_start, 4), round(iv.t_end, 4))
+                                                    for iv in timed]}
 
 
 def pipeline_stage_ideal(num_stages: int, num_microbatches: int, *args, **kwargs) -> dict:

@@ -260,44 +260,86 @@ def mlp_weights(hidden: int, intermediate: int, seed: int) -> tuple[Tensor, Tens
     return gate, up, down
 
 
-def run_tp_mlp(fn, tp: int, num_tokens: int = 5, hidden: int = 16, intermediate: int = 24, seed: int = 0,
-               weights: tuple[Tensor, Tensor, Tensor] | None = None, timeout_s: float = 20.0) -> dict:
-    """Harness of the `tp_mlp_forward` exercise: run `fn(x, gate, up, down, group)` in `tp` real gloo ranks (forked
-    processes, so `fn` may come from a notebook cell) on a seeded MLP (or `weights` = (gate, up, down)), and compare
-    with the unsharded MLP computed here in one process. Returns plain data:
-    {"output_equals_tp1": every rank's output matches down(silu(gate x) * up x) (fp32; up to 1e-5 of the largest sum
-     of |terms|, i.e. rounding from summing in another order),
-     "ranks_agree": all ranks return the same tensor, "all_reduces_per_rank": [count per rank] (1 each),
-     "partial_is_rank_share": what each rank summed is exactly its own I/tp slice's contribution,
-     "max_abs_diff": the largest |TP - TP1| (for the reader; graded loosely)}.
-    Raises launcher.RankError ('rank r: the exception') when `fn` fails in a rank."""
-    from llmso_lab.parallel.launcher import launch
-
-    if not isinstance(tp, int) or tp < 1:
+def tp_mlp_case(tp: int, num_tokens: int = 5, hidden: int = 16, intermediate: int = 24, seed: int = 0,
+                weights: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The inputs of one `tp_mlp_forward` run: (x [T, H], gate [I, H], up [I, H], down [H, I]), seeded (or `weights`)."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tp must be an int >= 1, got {tp!r}")
     gate, up, down = weights if weights is not None else mlp_weights(hidden, intermediate, seed)
     gate, up, down = (w.detach().float() for w in (gate, up, down))
-    I = gate.shape[0]
-    if I % tp:
-        raise ValueError(f"intermediate size {I} does not split over tp={tp}")
+    if gate.shape[0] % tp:
+        raise ValueError(f"intermediate size {gate.shape[0]} does not split over tp={tp}")
     x = torch.randn(num_tokens, gate.shape[1], generator=torch.Generator().manual_seed(seed + 1))
+    return x, gate, up, down
+
+
+def share_features(act: Tensor, down: Tensor, partial: Tensor, tol: float) -> list[int] | None:
+    """Which intermediate features a rank's partial sum is made of, or None when it is not such a sum.
+
+    Feature i contributes the rank-1 term act[:, i] (x) down[:, i] to the MLP's output; a rank's share is the sum of
+    the terms of ITS features (any I/tp of them: contiguous, strided or permuted are all Megatron-correct). With
+    T x H >= I the terms are linearly independent, so a least-squares fit of the partial on them recovers one weight
+    per feature: a share has weights 0 or 1 (the whole MLP / tp, or a wrong slice, does not) and reproduces the
+    partial to rounding (`tol`). Returns the features with weight 1."""
+    T, I = act.shape
+    if not isinstance(partial, Tensor) or tuple(partial.shape) != (T, down.shape[0]):
+        return None
+    terms = (act.double()[:, None, :] * down.double()[None, :, :]).reshape(-1, I)   # [T*H, I]
+    if terms.shape[0] < I or int(torch.linalg.matrix_rank(terms)) < I:
+        raise ValueError(f"{T} tokens x {down.shape[0]} hidden < {I} features: a share cannot be told apart")
+    target = partial.detach().double().reshape(-1, 1)
+    w = torch.linalg.lstsq(terms, target).solution[:, 0]
+    pick = w.round()
+    if not bool(((w - pick).abs() <= 1e-3).all()) or not bool(((pick == 0) | (pick == 1)).all()):
+        return None
+    if float((terms @ pick - target[:, 0]).abs().max()) > tol:
+        return None
+    return [int(i) for i in torch.nonzero(pick)[:, 0]]
+
+
+def tp_mlp_report(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, outputs: list, sent: list[list]) -> dict:
+    """Judge one TP run of `tp_mlp_forward` from what each rank returned (`outputs`) and what each handed to
+    all_reduce (`sent`, recorded by the group, not by the rank's code). Plain data:
+    {"output_equals_tp1": every rank's output matches down(silu(gate x) * up x) (fp32; up to 1e-5 of the largest sum
+     of |terms|, i.e. rounding from summing in another order),
+     "ranks_agree": all ranks return the same tensor, "all_reduces_per_rank": [count per rank] (1 each),
+     "partial_is_rank_share": what each rank first all-reduced is the sum of I/tp features' terms, the ranks' features
+     disjoint (so each rank needs only 1/tp of every weight: contiguous or strided, `share_features`),
+     "max_abs_diff": the largest |TP - TP1| (for the reader; not graded)}."""
+    tp = len(outputs)
     with torch.no_grad():
         act = torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())          # [T, I]
         full = act @ down.t()                                                # [T, H]
-        per = I // tp
-        shares = [act[:, r * per:(r + 1) * per] @ down[:, r * per:(r + 1) * per].t() for r in range(tp)]
+    # fp32 sums in another order differ by rounding only: allow 1e-5 of the largest sum of |terms| (|act| @ |down|^T)
+    tol = 1e-5 * float((act.abs() @ down.abs().t()).max())
+    for y in outputs:
+        if not isinstance(y, Tensor):
+            raise TypeError(f"tp_mlp_forward must return a tensor [T, H], got {type(y).__name__}")
+    ok = lambda a, b: a.shape == b.shape and bool(((a.float() - b).abs() <= tol).all())  # noqa: E731
+    features = [share_features(act, down, s[0], tol) if s else None for s in sent]
+    owned = [i for f in features if f is not None for i in f]
+    share = (all(f is not None and len(f) == act.shape[1] // tp for f in features)
+             and sorted(owned) == list(range(act.shape[1])))
+    return {"output_equals_tp1": all(ok(y, full) for y in outputs),
+            "ranks_agree": all(y.shape == outputs[0].shape and torch.equal(y, outputs[0]) for y in outputs),
+            "all_reduces_per_rank": [len(s) for s in sent],
+            "partial_is_rank_share": share,
+            "max_abs_diff": max(float((y.float() - full).abs().max()) if y.shape == full.shape else float("inf")
+                                for y in outputs)}
+
+
+def run_tp_mlp(fn, tp: int, num_tokens: int = 5, hidden: int = 16, intermediate: int = 24, seed: int = 0,
+               weights: tuple[Tensor, Tensor, Tensor] | None = None, timeout_s: float = 20.0) -> dict:
+    """Harness of the `tp_mlp_forward` exercise: run `fn(x, gate, up, down, group)` in `tp` real gloo ranks (forked
+    processes, so `fn` may come from a notebook cell) on a seeded MLP (or `weights` = (gate, up, down)), and judge the
+    run with `tp_mlp_report` (its docstring lists what it returns). The grader runs the same ranks in its sandbox with
+    the all-reduce carried out by the grading process (`grading.judge.tp_mlp`), and judges them the same way.
+    Raises launcher.RankError ('rank r: the exception') when `fn` fails in a rank."""
+    from llmso_lab.parallel.launcher import launch
+
+    x, gate, up, down = tp_mlp_case(tp, num_tokens, hidden, intermediate, seed, weights)
     try:
         ranks = launch(_tp_mlp_rank, tp, args=(fn, x, gate, up, down), timeout_s=timeout_s, start_method="fork")
     except RankError as err:
         raise err.brief() from None
-    # fp32 sums in another order differ by rounding only: allow 1e-5 of the largest sum of |terms| (|act| @ |down|^T)
-    tol = 1e-5 * float((act.abs() @ down.abs().t()).max())
-    ok = lambda a, b: a.shape == b.shape and bool(((a.float() - b).abs() <= tol).all())  # noqa: E731
-    return {"output_equals_tp1": all(ok(r["y"], full) for r in ranks),
-            "ranks_agree": all(r["y"].shape == ranks[0]["y"].shape and torch.equal(r["y"], ranks[0]["y"])
-                               for r in ranks),
-            "all_reduces_per_rank": [len(r["sent"]) for r in ranks],
-            "partial_is_rank_share": all(len(r["sent"]) >= 1 and ok(r["sent"][0], share)
-                                         for r, share in zip(ranks, shares)),
-            "max_abs_diff": max(float((r["y"].float() - full).abs().max()) if r["y"].shape == full.shape
-                                else float("inf") for r in ranks)}
+    return tp_mlp_report(x, gate, up, down, [r["y"] for r in ranks], [r["sent"] for r in ranks])

@@ -41,11 +41,14 @@ hidden("10", {
         (([[(5 * i + 11) % 240 + 3 for i in range(45)]], 10, 1, 2, 8, 16), {}),   # 45-token prompt, 16-token steps
         (([list(range(3, 9)), list(range(60, 73)), list(range(100, 104))], 25, 1, 1, 12), {}),   # window of one block
         (([list(range(3, 21))], 30, 3, 2, 10), {}),                               # 3 sink blocks
+        (([list(range(3, 30))], 12, 2, 1, 12, 4), {}),   # 4-token chunks under 2 sinks: the cap's floor is the sinks
     ],
     "cacheblend_select": [
         ((0.15, 11), {"chunk_lens": (12, 30, 8, 20)}),
         ((0.6, 12), {}),
         ((0.05, 13), {"on": "k", "chunk_lens": (64,)}),
+        ((0.5, 14), {"chunk_lens": (40, 9)}),   # 24.5 tokens: half-way, rounds up to 25 (round() would say 24)
+        ((0.25, 15), {"chunk_lens": (10,)}),    # 2.5 tokens: 3 (round() would say 2)
     ],
     "pyramid_budgets": [
         ((30, 30 * 128), {}), ((30, 1234, 10), {}), ((24, 24 * 64, 1), {}), ((32, 4097, 20), {}),

@@ -17,7 +17,8 @@ register(
         Case("square 4096 matmul in bf16", (4096, 4096, 4096), {"bytes_per_elem": 2}),
         Case("decode GEMV: 1 token x [4096, 4096] weight", (1, 4096, 4096), {"bytes_per_elem": 2}),
         Case("fp32, non-square (m=3, n=5, k=7)", (3, 5, 7), {"bytes_per_elem": 4}),
-    ], compare=rel, description="FLOPs per byte of an [m,k] @ [k,n] matmul"),
+    ], compare=rel, tripwires=("llmso_lab.hardware:matmul_flops",),   # the numerator: half the answer
+        description="FLOPs per byte of an [m,k] @ [k,n] matmul"),
     Exercise("roofline_time", "00", 10, "llmso_lab.hardware:roofline_time", [
         Case("memory-bound: 140 GB of weights on an H100", (2 * 70e9, 140e9, H100_BF16, H100_BW)),
         Case("compute-bound: 1 PFLOP, 1 GB", (1e15, 1e9, H100_BF16, H100_BW)),
@@ -26,7 +27,8 @@ register(
     Exercise("compute_bound_tokens", "00", 20, "llmso_lab.hardware:compute_bound_tokens", [
         Case("Llama-3-70B in fp16 on an H100", (140e9, 140e9, H100_BF16, H100_BW)),
         Case("SmolLM2-135M in fp32 on a 200 GFLOP/s, 25 GB/s CPU", (538e6, 269e6, 200e9, 25e9)),
-    ], compare=rel, description="new tokens per forward at which the math takes as long as reading the weights"),
+    ], compare=rel, tripwires=("llmso_lab.hardware:ridge_point",),   # the roofline's ridge is this answer's core
+        description="new tokens per forward at which the math takes as long as reading the weights"),
     Exercise("kv_bytes_per_token", "00", 15, "llmso_lab.hardware:kv_bytes_per_token", [
         Case("the lecture's 70B: 80 layers, 8 KV heads, head_dim 128, fp16", (80, 8, 128), {"bytes_per_elem": 2}),
         Case("SmolLM2-135M in fp32: 30 layers, 3 KV heads, head_dim 64", (30, 3, 64), {"bytes_per_elem": 4}),

@@ -53,7 +53,7 @@ register(
              (["d1"], [("a", 10), ("b", 100), ("c", 5)], 32), {"enable_chunked_prefill": False}),
         Case("max_num_seqs=3 caps the batch", ([0, 1], [("p", 3), ("q", 3)], 100), {"max_num_seqs": 3}),
         Case("no decodes: a 2048-token budget over a long prompt", ([], [("long", 5000), ("short", 8)], 2048)),
-    ], compare=same, tripwires=("llmso_lab.sim.budget:prefill_chunk",),
+    ], compare=same, tripwires=("llmso_lab.sim.budget:prefill_chunk", "llmso_lab.batching:prefill_chunk"),
         description="one step's decode-first token budget: decodes take 1 token each, prefills chunk the rest"),
     Exercise("choose_victim", "02", 25, "llmso_lab.policies:pick_victim", [
         Case("fcfs preempts the latest arrival", (_running, "fcfs")),

@@ -179,6 +179,7 @@ register(
         Case("c = 1: loads stay perfectly even", (5, zipf_keys(100, 10, 3), 1.0, 20)),
         Case("keys at, between, before and after the ring's points (the walk wraps around)", (4, ring_edge_keys(4), 1.5, 3)),
     ], harness="llmso_lab.routing:route_stream", compare=same,
-        tripwires=("llmso_lab.routing:bounded_load_pick", "llmso_lab.routing:PrefixAwareBounded"),
+        tripwires=("llmso_lab.routing:bounded_load_pick", "llmso_lab.routing:PrefixAwareBounded",
+                   "llmso_lab.routing:PrefixAware.candidates"),   # the ring walk: the harness's own, in the grader
         description="consistent hashing with bounded loads: walk the hash ring from the key, skip replicas over the bound"),
 )

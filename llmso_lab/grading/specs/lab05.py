@@ -90,6 +90,8 @@ register(
              compare=exact()),
     ], harness="llmso_lab.engine.mla:decode_exercise", compare=mla_tol, timeout_s=240,
         tripwires=("llmso_lab.attention.mla:mla_attention", "llmso_lab.attention.mla:mla_paged_decode_torch",
+                   "llmso_lab.attention.triton_mla:mla_paged_decode_attention",   # and the kernel it launches
+                   "llmso_lab.attention.mla:absorb_query",   # W_UK into the query: half of the absorption
                    "llmso_lab.attention.fallback:mla_paged_decode_attention",
                    "llmso_lab.attention.reference:naive_attention", *MLA_FREE_ATTENTION),
         description="one decode token of MLA over the latent cache [c_kv, k_pe], W_UK in the query, W_UV after; "

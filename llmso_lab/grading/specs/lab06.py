@@ -136,6 +136,6 @@ register(
         Case("hard labels only (alpha = 0): plain cross-entropy", logits_case(6, 9, 52), {"T": 3.0, "alpha": 0.0}),
         Case("T = 1, alpha = 0.3, 3-D logits [2, 4, 10]", tuple(t.reshape(2, 4, *t.shape[1:]) for t in logits_case(8, 10, 53)),
              {"T": 1.0, "alpha": 0.3}),
-    ], compare=loss_tol, tripwires=("llmso_lab.quant.distill:train_student",),
+    ], compare=loss_tol, tripwires=("llmso_lab.quant.distill:train_student", "llmso_lab.quant.distill:topk_distillation_loss"),
         description="alpha T^2 KL(teacher_T || student_T) + (1 - alpha) CE(student, labels), mean over positions"),
 )

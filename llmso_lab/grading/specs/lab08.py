@@ -5,8 +5,9 @@ References: `llmso_lab.parallel.tensor:shard_linear`, `llmso_lab.parallel.tensor
 `llmso_lab.parallel.pipeline:bubble_fraction`, `llmso_lab.parallel.pipeline:gpipe_stage`,
 `llmso_lab.parallel.moe:dispatch_indices`, `llmso_lab.parallel.ring:ring_attention_step`.
 
-Two are mechanisms run for real across processes (harness exercises): `tp_mlp_forward` runs in 2-4 forked gloo ranks
-(`tensor.run_tp_mlp`) and must equal the unsharded MLP with one all-reduce of the rank's own share;
+Two are mechanisms run for real as concurrent ranks (harness exercises; in the notebook gloo ranks, in the grader ranks
+of the sandboxed job whose collectives the grader carries out, `grading.judge`): `tp_mlp_forward` must equal the
+unsharded MLP with one all-reduce of the rank's own share (any I/tp of the features: `tensor.share_features`);
 `pipeline_stage` runs as every stage of a 2-4 stage pipeline (`pipeline.run_pipeline_stage`), whose outputs must
 equal one process's and whose bubble, measured on the harness's logical clock (one slot per compute, a stage
 waits for its input's stamp: independent of the machine's load), must be GPipe's (p - 1) / (m + p - 1) in
@@ -64,7 +65,8 @@ TP_HINTS = {
     "all_reduces_per_rank": "One all-reduce per MLP, after down_proj (group.all_reduce): activations before down are "
                             "slices of different features, not partial sums.",
     "partial_is_rank_share": "What a rank all-reduces must be its own share: silu(x G_r^T) * (x U_r^T) @ D_r^T with "
-                             "G_r, U_r its I/tp rows and D_r the same I/tp columns of down (not the whole MLP / tp).",
+                             "G_r, U_r I/tp rows (features) of gate and up and D_r the same I/tp columns of down, "
+                             "each feature on one rank (not the whole MLP / tp).",
     "ranks_agree": "After the all-reduce every rank holds the same sum.",
 }
 PP_HINTS = {
@@ -180,7 +182,10 @@ register(
         Case("3 gloo ranks (8 of the 24 intermediate features each), 7 tokens", (3,), {"num_tokens": 7, "seed": 3}),
         Case("4 ranks, hidden 12, intermediate 32", (4,), {"hidden": 12, "intermediate": 32, "seed": 5}),
     ], compare=run_report(hints=TP_HINTS, ignore=("max_abs_diff",)), harness="llmso_lab.parallel.tensor:run_tp_mlp",
-        tripwires=("llmso_lab.parallel.tensor:column_parallel_linear", "llmso_lab.parallel.tensor:row_parallel_linear"),
+        tripwires=("llmso_lab.parallel.tensor:column_parallel_linear", "llmso_lab.parallel.tensor:row_parallel_linear",
+                   # the engine's TP rank: its layer shards and its MLP op (the engine is not what this job runs)
+                   "llmso_lab.parallel.tensor:shard_llama_layer", "llmso_lab.engine.ops:swiglu_mlp",
+                   "llmso_lab.parallel.tensor:shard_linear"),   # the sharding is the exercise
         timeout_s=60.0,
         description="one rank's Megatron MLP (column gate/up, SwiGLU, row down, one all-reduce), run in real gloo "
                     "ranks; the gathered result must equal TP = 1"),
@@ -206,7 +211,8 @@ register(
         Case("2 stages, 4 micro-batches", (2, 4)),
         Case("8 stages, 1 micro-batch: one stage works at a time", (8, 1)),
         Case("1 stage: no pipeline, no bubble", (1, 6)),
-    ], compare=rel,
+    ], compare=rel, tripwires=("llmso_lab.parallel.pipeline:measured_bubble", "llmso_lab.sim.comm:pipeline_bubble",
+                               "llmso_lab.parallel.pipeline:pipeline_stage_ideal"),   # the same share, measured or ideal
         description="GPipe's idle share (p - 1) / (m + p - 1): m + p - 1 slots, each stage busy in m of them"),
     Exercise("pipeline_stage", "08", 20, "llmso_lab.parallel.pipeline:gpipe_stage", [
         Case("2 stages, 4 micro-batches: bubble 1/5", (2, 4)),

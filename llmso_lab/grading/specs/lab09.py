@@ -116,7 +116,10 @@ register(
         Case("block size 16, one 40-token prompt (3 blocks, the last one partly filled)", ([P40], 6, False, False, 16)),
         Case("a one-token prompt and a 7-token one", ([[7], C7], 5)),
     ], compare=exact(), harness="llmso_lab.disagg.handoff:run_receiver", timeout_s=120,
-        tripwires=(f"{WORKER}:slots_of", f"{WORKER}:DecodeEngine._receive"),
+        tripwires=(f"{WORKER}:slots_of", f"{WORKER}:DecodeEngine._receive",
+                   # the engine's own slot mapping and K/V store (the engine runs in the grader, not in the job)
+                   "llmso_lab.engine.model_runner:BatchBuilder.prepare_rows", "llmso_lab.engine.kv_cache:LayerKV.write",
+                   "llmso_lab.engine.attention:TorchAttentionBackend.store_kvcache", "llmso_lab.kv.quant:QuantizedPagedKV.write"),
         description="the receiving side of a layer-wise KV transfer: one layer's K/V rows of positions start.. "
                     "written into the decode engine's reserved blocks through the block table; graded by running "
                     "prefill -> decode handoffs whose decodes must equal the colocated engine's tokens"),
