@@ -65,6 +65,9 @@ class LLMEngine:
         vocab = self.model_runner.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if params.stop_token_ids and not all(t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids of this model, in [0, {vocab}); got "
+                             f"{[t for t in params.stop_token_ids if t >= vocab][:5]}")
         return ids, text
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, priority: int = 0,

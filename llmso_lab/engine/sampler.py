@@ -28,12 +28,23 @@ def filter_logits(logits: Tensor, top_k: int = -1, top_p: float = 1.0) -> Tensor
     return logits
 
 
+def finite_logits(logits: Tensor) -> Tensor:
+    """Logits a draw can use: an extreme penalty or temperature (repetition_penalty 1e-300 divides a logit by it) can
+    give +inf or nan; +inf becomes the largest float (the order stays), nan -inf, and a row with nothing left is
+    uniform. Rows that are already finite (every usual request) come back as they are."""
+    if bool(torch.isfinite(logits).all()):
+        return logits
+    out = logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    return out if bool(torch.isfinite(out).any()) else torch.zeros_like(out)
+
+
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Draw one token id from fp32 logits [V] (already processed): argmax if greedy; else temperature, then min-p
     (drop tokens below min_p times the top probability, vLLM's order), top-k / top-p, softmax and one draw."""
+    logits = finite_logits(logits)
     if params.greedy:
         return int(logits.argmax())
-    logits = logits / params.temperature
+    logits = finite_logits(logits / params.temperature)
     if params.min_p > 0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))

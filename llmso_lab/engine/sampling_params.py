@@ -1,14 +1,18 @@
 """SamplingParams: how one request is decoded (vLLM's names and meanings)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MIN_TEMPERATURE = 1e-2   # vLLM's _MAX_TEMP: 0 < temperature < 1e-2 is sampled at 1e-2 (dividing by less overflows fp32)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request decoding settings.
 
-    temperature 0 means greedy (argmax). top_k=-1 and top_p=1.0 switch those filters off.
+    temperature 0 means greedy (argmax); 0 < temperature < 1e-2 is raised to 1e-2, as vLLM does (logits divided by
+    less overflow). top_k=-1 and top_p=1.0 switch those filters off.
     seed gives the request its own random generator, so its random draws do not depend on the rest of the batch
     (its logits may, at near-ties: see `llmso_lab.engine.sampler`).
     n > 1 returns n completions of one prompt: the prompt is computed once and its KV blocks are shared
@@ -50,14 +54,19 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1 (the number of completions), got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:   # vLLM's rule: below 1e-2 the division overflows; sample at 1e-2
+            self.temperature = MIN_TEMPERATURE
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an int64 (-2**63 <= seed < 2**63), got {self.seed!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) and 0 <= t < 2**63 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
@@ -65,8 +74,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (OpenAI's range), got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

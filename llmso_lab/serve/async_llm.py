@@ -31,6 +31,14 @@ class EngineDead(Exception):
     """The engine thread failed; the server answers 503 from then on."""
 
 
+class RequestFailed(Exception):
+    """Serving this request raised (in the engine's step or while queueing it): it alone fails, with a 500; the
+    engine frees its blocks and keeps stepping the others."""
+
+
+MAX_FAILED_STEPS = 3   # steps failing one after another: the engine itself is broken, not one request
+
+
 @dataclass(slots=True)
 class Delta:
     """New output of one sample: text (and the token ids behind it); `finish_reason` on its last delta."""
@@ -124,6 +132,7 @@ class AsyncLLM:
         self._stopping = False
         self._in_flight = 0
         self._tracked: dict[str, _Tracked] = {}
+        self._failed_steps = 0
         self._thread = threading.Thread(target=self._run, name="llmso-engine", daemon=True)
 
     # ---- the server's side (event loop thread) -----------------------------------------------
@@ -180,8 +189,13 @@ class AsyncLLM:
     def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            if self._drain():
-                self._observe()   # an abort freed blocks: the gauges say so now
+            try:
+                if self._drain():
+                    self._observe()   # an abort freed blocks: the gauges say so now
+            except Exception as exc:   # an abort that raised: the engine's state is unknown
+                traceback.print_exc()
+                self._die(exc)
+                return
             if not self.engine.has_unfinished_requests():
                 self._wake.wait(0.5)
                 continue
@@ -190,22 +204,51 @@ class AsyncLLM:
                 finished += self.engine.retire_finished()
                 self._publish(finished)
                 self._observe()
-            except Exception as exc:   # the engine's state is unknown now: fail what is in flight, refuse the rest
+                self._failed_steps = 0
+            except Exception as exc:   # fail the requests of this step; the engine goes on with the others
                 traceback.print_exc()
-                self.dead = exc
-                for t in list(self._tracked.values()):
-                    self._close(t, EngineDead(f"the engine failed while serving this request: {exc!r}"))
-                return
+                self._failed_steps += 1
+                if self._failed_steps >= MAX_FAILED_STEPS or not self._fail_step(exc):
+                    self._die(exc)
+                    return
         for t in list(self._tracked.values()):
             self._close(t, EngineDead("the server is shutting down"))
 
+    def _die(self, exc: BaseException) -> None:
+        """The engine cannot go on: fail what is in flight, refuse the rest (`/health` says 503 from now on)."""
+        self.dead = exc
+        for t in list(self._tracked.values()):
+            self._close(t, EngineDead(f"the engine failed while serving this request: {exc!r}"))
+
+    def _fail_step(self, exc: BaseException) -> bool:
+        """A step raised: abort the requests it was running (their blocks go back) and fail them with a 500; the
+        rest stay queued. False when the engine's state cannot be trusted afterwards."""
+        running = {seq.request_id for seq in self.engine.scheduler.running}
+        victims = [t for rid, t in self._tracked.items() if rid in running] or list(self._tracked.values())
+        try:
+            for t in victims:
+                self.engine.abort_request(t.stream.request_id)
+                self._close(t, RequestFailed(f"the engine failed while serving this request: {exc!r}"))
+            self.engine.scheduler.check_invariants()
+        except Exception:   # noqa: BLE001 - aborting failed too: the engine is broken
+            traceback.print_exc()
+            return False
+        return True
+
     def _drain(self) -> bool:
-        """Take the inbox's requests and aborts; True if there were any."""
+        """Take the inbox's requests and aborts; True if there were any. A request the engine refuses fails alone."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for op, stream in inbox:
             if op == "add":
-                rid = self.engine.add_checked(stream.token_ids, None, stream.params, 0, stream.arrival_time)
+                try:
+                    rid = self.engine.add_checked(stream.token_ids, None, stream.params, 0, stream.arrival_time)
+                except Exception as exc:   # noqa: BLE001 - this request only; nothing of it was queued
+                    traceback.print_exc()
+                    with self._lock:
+                        self._in_flight -= 1
+                    stream.put(RequestFailed(f"the request could not be queued: {exc!r}"))
+                    continue
                 stream.request_id = rid
                 self._tracked[rid] = _Tracked(stream, self.engine.decode)
             elif stream.request_id in self._tracked:   # abort: the request may have finished meanwhile
