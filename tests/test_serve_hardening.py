@@ -137,6 +137,8 @@ def test_a_non_streaming_client_that_leaves_is_aborted(model, monkeypatch):
         wait_idle(s.llm, timeout_s=5)   # aborted within a poll or two of the disconnect, not after 400 steps
         assert s.llm.engine.num_generated_tokens - before < 200
         assert s.llm.engine.block_manager.num_used_blocks == 0
+        text = httpx.get(f"{s.base_url}/metrics").text   # counted as vLLM counts it
+        assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
 
 
 # ---- 3. lone surrogates --------------------------------------------------------------------------------------
@@ -193,3 +195,29 @@ def test_the_api_key_scheme_is_case_insensitive_and_errors_are_openai_shaped(mod
                            timeout=30)
             assert r.status_code == 200, (scheme, r.text)
         assert httpx.options(f"{s.base_url}/v1/completions").status_code != 401   # a CORS preflight carries no key
+
+
+# ---- 7. vLLM's semantics -----------------------------------------------------------------------------------------
+def test_an_answer_cut_inside_a_character_ends_before_it_and_stop_strings_wait_for_min_tokens():
+    from llmso_lab.engine.detokenizer import IncrementalDetokenizer
+
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")   # noqa: E731 - byte-level "tokens"
+    d = IncrementalDetokenizer(decode)
+    assert d.add(list("hé".encode())[:2], final=True) == "h"   # max_tokens cut after the first byte of é: no "\ufffd"
+    assert d.text == "h"
+    d = IncrementalDetokenizer(decode, stop=["S"], min_tokens=3)
+    assert d.add(list(b"aS")) == "aS" and d.stopped_at is None   # 2 tokens out: too early for a stop string
+    assert d.add(list(b"bS")) == "b" and d.stopped_at == "S"     # the next one counts
+    assert d.text == "aSb"
+
+
+def test_stop_strings_are_matched_only_after_min_tokens(server, model):
+    body = {**BODY, "prompt": [3, 4], "max_tokens": 12}
+    text = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    stop = text[1]   # a letter the greedy answer writes at its second token
+    early = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stop": [stop]}, timeout=30).json()
+    assert early["choices"][0]["text"] == text[:text.index(stop)] and early["choices"][0]["finish_reason"] == "stop"
+    late = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stop": [stop], "min_tokens": 12},
+                      timeout=30).json()
+    assert late["choices"][0]["text"] == text and late["choices"][0]["finish_reason"] == "length"
+    still_serving(server, model)

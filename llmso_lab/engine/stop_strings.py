@@ -27,7 +27,8 @@ class StopStrings:
             stop = seq.sampling_params.stop
             if not stop or seq.output_text is not None:
                 continue
-            d = self.detok.setdefault(seq.seq_id, IncrementalDetokenizer(self.engine.decode, stop))
+            d = self.detok.setdefault(seq.seq_id, IncrementalDetokenizer(self.engine.decode, stop,
+                                                                         seq.sampling_params.min_tokens))
             d.add(seq.output_token_ids[len(d.ids):])
             if d.stopped_at is not None:
                 seq.output_text, seq.finish_reason, seq.status = d.text, "stop", SequenceStatus.FINISHED

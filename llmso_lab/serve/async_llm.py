@@ -95,7 +95,7 @@ class _Tracked:
         self.stream = stream
         n = stream.params.n
         self.sent = [0] * n
-        self.detok = [IncrementalDetokenizer(decode, stream.stop) for _ in range(n)]
+        self.detok = [IncrementalDetokenizer(decode, stream.stop, stream.params.min_tokens) for _ in range(n)]
         self.done: list[str | None] = [None] * n    # finish reason per sample
         self.ids: list[list[int]] = [[] for _ in range(n)]
 
@@ -254,6 +254,8 @@ class AsyncLLM:
             elif stream.request_id in self._tracked:   # abort: the request may have finished meanwhile
                 self.engine.abort_request(stream.request_id)
                 self._close(self._tracked[stream.request_id], None)
+                if self.metrics is not None:   # vLLM counts it: request_success_total{finished_reason="abort"}
+                    self.metrics.aborted()
         return bool(inbox)
 
     def _publish(self, finished) -> None:

@@ -70,6 +70,10 @@ class ServerMetrics:
         self.e2e.observe(m.e2e)
         self.success.labels(self.model_name, finish_reason).inc()
 
+    def aborted(self) -> None:
+        """A request the client left (or the server aborted) before it finished."""
+        self.success.labels(self.model_name, "abort").inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
