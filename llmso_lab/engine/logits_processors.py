@@ -35,3 +35,13 @@ def token_logprobs(logits: Tensor, token: int, k: int) -> dict:
     top = torch.topk(lp, k) if k else None
     return {"token_id": token, "logprob": float(lp[token]),
             "top": list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []}
+
+
+def finite_logits(logits: Tensor) -> Tensor:
+    """Logits a draw can use: an extreme penalty or temperature (repetition_penalty 1e-300 divides a logit by it) can
+    give +inf or nan; +inf becomes the largest float (the order stays), nan -inf, and a row with nothing left is
+    uniform. Rows that are already finite (every usual request) come back as they are."""
+    if bool(torch.isfinite(logits).all()):
+        return logits
+    out = logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    return out if bool(torch.isfinite(out).any()) else torch.zeros_like(out)

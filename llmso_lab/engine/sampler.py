@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from llmso_lab.engine.logits_processors import process_logits, token_logprobs
+from llmso_lab.engine.logits_processors import finite_logits, process_logits, token_logprobs
 from llmso_lab.engine.sampling_params import SamplingParams
 
 
@@ -26,16 +26,6 @@ def filter_logits(logits: Tensor, top_k: int = -1, top_p: float = 1.0) -> Tensor
         outside[0] = False                            # always keep the most likely token
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits.masked_fill(outside, float("-inf")))
     return logits
-
-
-def finite_logits(logits: Tensor) -> Tensor:
-    """Logits a draw can use: an extreme penalty or temperature (repetition_penalty 1e-300 divides a logit by it) can
-    give +inf or nan; +inf becomes the largest float (the order stays), nan -inf, and a row with nothing left is
-    uniform. Rows that are already finite (every usual request) come back as they are."""
-    if bool(torch.isfinite(logits).all()):
-        return logits
-    out = logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
-    return out if bool(torch.isfinite(out).any()) else torch.zeros_like(out)
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
