@@ -9,22 +9,9 @@ import httpx
 import pytest
 
 from llmso_lab.serve import running_server
-from test_serve import ENGINE, ToyTokenizer, offline, wait_idle
+from test_serve import ENGINE, ToyTokenizer, model, offline, server, wait_idle  # noqa: F401 - fixtures
 
 BODY = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def model():
-    from llmso_lab.models.tiny import tiny_llama
-
-    return tiny_llama(vocab_size=64)
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    with running_server(model, ToyTokenizer(), served_model_name="tiny", **ENGINE) as s:
-        yield s
 
 
 def still_serving(server, model):
