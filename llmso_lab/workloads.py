@@ -240,6 +240,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None   # engine: the first step that computed the request
     token_times: list[float] | None = None      # engine: when each output token was sampled (sim: None)
+    sample_token_times: list[list[float]] | None = None   # engine, n > 1: each sample's own token times
 
     @property
     def ttft(self) -> float:
@@ -254,6 +255,9 @@ class RequestMetrics:
     @property
     def tpot(self) -> float:
         """Time per output token after the first (mean inter-token latency); 0 for a one-token answer."""
+        if self.sample_token_times is not None:   # n samples: each one's gaps, not the gaps between samples
+            gaps = self.itl
+            return sum(gaps) / len(gaps) if gaps else 0.0
         if self.output_len < 2:
             return 0.0
         last = self.token_times[-1] if self.token_times else self.finish_time
@@ -261,10 +265,12 @@ class RequestMetrics:
 
     @property
     def itl(self) -> list[float]:
-        """Inter-token latencies between consecutive output tokens (needs `token_times`)."""
+        """Inter-token latencies between consecutive output tokens of the same sample (needs `token_times`): with
+        n > 1 samples each sample's own gaps, one after the other (vLLM times each sample as its own request)."""
         if self.token_times is None:
             raise ValueError("itl needs per-token times; the simulator records only the first and the last token")
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        timelines = self.sample_token_times if self.sample_token_times is not None else [self.token_times]
+        return [b - a for times in timelines for a, b in zip(times, times[1:])]
 
     @property
     def e2e(self) -> float:

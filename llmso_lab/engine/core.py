@@ -209,7 +209,8 @@ class LLMEngine:
         metrics = RequestMetrics(first.request_id, first.arrival_time, times[0] if times else None,
                                  max(s.finish_time for s in samples), first.num_prompt_tokens,
                                  sum(s.num_output_tokens for s in samples), sum(s.num_preemptions for s in samples),
-                                 first.first_scheduled_time, times)
+                                 first.first_scheduled_time, times,
+                                 [list(s.token_times) for s in samples] if len(samples) > 1 else None)
         outputs = [CompletionOutput(s.sample_index, self.decode(s.output_token_ids) if s.output_text is None else s.output_text,
                                     s.output_token_ids, s.finish_reason, s.logprobs if s.sampling_params.logprobs is not None else None)
                    for s in samples]

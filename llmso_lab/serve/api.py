@@ -1,17 +1,21 @@
 """The OpenAI-compatible HTTP API in front of `AsyncLLM` (vLLM's `vllm serve` routes and shapes).
 
-`POST /v1/completions`, `POST /v1/chat/completions` (with `"stream": true`: server-sent events, one chunk per engine
-step that produced text, `data: [DONE]` at the end, a usage chunk first when `stream_options.include_usage`),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text, `serve.metrics`). With an API key every `/v1`
-route wants `Authorization: Bearer KEY`. Bad input gets HTTP 400 in OpenAI's error shape naming the field (every error
-has that shape: 401, 404 for an unknown model or route, 405, 413 for a body over the limit, 500, 503); a full queue
-gets 503; a client that disconnects, streaming or not, has its request aborted (its KV blocks go back); a request
-whose serving raises fails alone (500) while the engine keeps stepping the others."""
+`POST /v1/completions` (one prompt or a list of them, text or token ids; `echo`), `POST /v1/chat/completions`
+(content as text or text parts, the `developer` role, `max_completion_tokens`); with `"stream": true` server-sent
+events, one chunk per engine step that produced text, `data: [DONE]` at the end, a usage chunk last when
+`stream_options.include_usage`. `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text, `serve.metrics`).
+With an API key every `/v1` route wants `Authorization: Bearer KEY`. Prompts and chat templates are tokenized off the
+event loop with a tokenizer of the HTTP side's own. Fields this server does not know are ignored with a warning in
+its log, as vLLM does. Bad input gets HTTP 400 in OpenAI's error shape naming the field (every error has that
+shape: 401, 404 for an unknown model or route, 405, 413 for a body over the limit, 500, 503); a full queue gets
+503; a client that disconnects, streaming or not, has its request aborted (its KV blocks go back); a request whose
+serving raises fails alone (500) while the engine keeps stepping the others."""
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from typing import Literal
@@ -27,18 +31,34 @@ from llmso_lab.serve.async_llm import AsyncLLM, Delta, EngineDead, Overloaded, R
 from llmso_lab.serve.metrics import CONTENT_TYPE, ServerMetrics
 
 # OpenAI / vLLM fields this server does not implement: accepted at their "off" value, refused otherwise.
-NOT_YET = {"logit_bias": None, "echo": False, "best_of": None, "suffix": None}
+NOT_YET = {"logit_bias": None, "best_of": None, "suffix": None}
 MAX_N = 128                  # completions per request (OpenAI's limit): each is a sequence the engine steps
+MAX_PROMPTS = 32             # prompts in one /v1/completions request (a list of prompts)
 MAX_REQUEST_BYTES = 4 << 20  # a request body larger than this gets a 413 before it is read further
+log = logging.getLogger("llmso_lab.serve")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Open(BaseModel):
+    """Fields this server does not know are ignored with a warning, as vLLM does (`extra="allow"`, then logged)."""
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(obj: BaseModel, prefix: str = "") -> list[str]:
+    """The unknown fields of a parsed request, nested ones as `messages.0.x`."""
+    out = [prefix + k for k in (obj.model_extra or {})]
+    for name, value in obj:
+        items = value if isinstance(value, list) else [value]
+        for i, v in enumerate(items):
+            if isinstance(v, BaseModel):
+                out += ignored_fields(v, f"{prefix}{name}.{i}." if isinstance(value, list) else f"{prefix}{name}.")
+    return out
+
+
+class StreamOptions(_Open):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Sampling(_Open):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
@@ -59,12 +79,16 @@ class _Sampling(BaseModel):
     min_tokens: int = 0
     logit_bias: dict | None = None   # not implemented (NOT_YET)
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         for name, off in NOT_YET.items():
             if getattr(self, name, off) != off:
                 raise BadField(name, f"{name} is not supported by this server; leave it out")
         try:
-            return SamplingParams(n=self.n, max_tokens=self.max_tokens or default_max_tokens,
+            return SamplingParams(n=self.n, max_tokens=self.token_limit or default_max_tokens,
                                   temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                   ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids, stop=self.stop_strings or None,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -83,24 +107,52 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    # one prompt (text or token ids) or a list of them: each gets `n` choices, numbered prompt by prompt
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None   # the top tokens' log-probs per position (and the chosen one's)
-    echo: bool = False
+    echo: bool = False            # each choice's text starts with its prompt
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    def for_template(self, i: int) -> dict:
+        """The message as the chat template takes it: text parts joined by newlines (vLLM does the same), and the
+        `developer` role (OpenAI's newer name for `system`) as `system`."""
+        content = self.content or ""
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise BadField(f"messages.{i}.content.{j}", f"content part of type {part.type!r} is not supported: "
+                                   'this server serves a text model; send {"type": "text", "text": "..."}')
+            content = "\n".join(part.text for part in content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        return out | ({"name": self.name} if self.name is not None else {})
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)   # OpenAI's newer name for max_tokens; wins over it
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
@@ -196,8 +248,6 @@ def build_app(llm: AsyncLLM, model_name: str, *, api_key: str | None = None,
         param = ".".join(loc) or None
         if e.get("type") == "json_invalid":
             return error(400, f"the request body is not valid JSON: {e.get('msg')}; send a JSON object")
-        if e.get("type") == "extra_forbidden":
-            return error(400, f"unsupported field {param!r}: this server does not know it; leave it out", param)
         return error(400, f"{param}: {e.get('msg')}", param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -229,7 +279,9 @@ def build_app(llm: AsyncLLM, model_name: str, *, api_key: str | None = None,
                                             "owned_by": "llmso-lab", "max_model_len": engine.max_model_len}]}
 
     def refuse(req: _Sampling) -> JSONResponse | None:
-        """What is wrong with a request before any of it is tokenized, or None."""
+        """What is wrong with a request before any of it is tokenized, or None. Unknown fields are only logged."""
+        if ignored := ignored_fields(req):
+            log.warning("The following fields were present in the request but ignored: %s", ignored)
         if has_surrogate(req.model):
             return error(400, "model: not valid Unicode (a lone surrogate)", "model")
         if req.model != model_name:
@@ -240,108 +292,169 @@ def build_app(llm: AsyncLLM, model_name: str, *, api_key: str | None = None,
             return error(400, "stop: not valid Unicode (a lone surrogate)", "stop")
         return None
 
-    async def start(req: _Sampling, prompt, default_max_tokens) -> RequestStream | JSONResponse:
+    async def start(req: _Sampling, prompts: list, default_max_tokens) -> list[RequestStream] | JSONResponse:
+        """Check every prompt (tokenized off the event loop), then queue them all; on any error none is queued."""
         try:
-            params = req.sampling_params(default_max_tokens(prompt) if callable(default_max_tokens) else default_max_tokens)
-            ids = llm.check(prompt, params)
-            return llm.submit(ids, params, req.stop_strings)
+            checked = []
+            for prompt in prompts:
+                limit = default_max_tokens(prompt) if callable(default_max_tokens) else default_max_tokens
+                params = req.sampling_params(limit)
+                checked.append((await asyncio.to_thread(llm.check, prompt, params), params))
         except BadField as exc:
             return error(400, str(exc), exc.param)
         except ValueError as exc:
             return error(400, str(exc))
+        streams = []
+        try:
+            for ids, params in checked:
+                streams.append(llm.submit(ids, params, req.stop_strings))
         except (Overloaded, EngineDead) as exc:
+            for stream in streams:
+                llm.abort(stream)
             return error(503, str(exc))
+        return streams
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         if (bad := refuse(req)) is not None:
             return bad
-        if isinstance(req.prompt, str) and has_surrogate(req.prompt):
-            return error(400, "prompt: not valid Unicode (a lone surrogate)", "prompt")
-        stream = await start(req, req.prompt, 16)
-        return stream if isinstance(stream, JSONResponse) else await respond(request, req, stream, chat=False)
+        prompts = req.prompts
+        if len(prompts) > MAX_PROMPTS:
+            return error(400, f"{len(prompts)} prompts in one request; send at most {MAX_PROMPTS}", "prompt")
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and has_surrogate(p):
+                return error(400, "prompt: not valid Unicode (a lone surrogate)", "prompt")
+        if req.echo and req.logprobs is not None:
+            return error(400, "echo with logprobs needs the prompt's log-probs, which this server does not compute; "
+                              "leave out one of them", "echo")
+        streams = await start(req, prompts, 16)
+        if isinstance(streams, JSONResponse):
+            return streams
+        echo = [(p if isinstance(p, str) else await asyncio.to_thread(llm.prompt_text, p)) if req.echo else ""
+                for p in prompts]
+        return await respond(request, req, streams, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         if (bad := refuse(req)) is not None:
             return bad
-        tok = engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            return error(400, "this model's tokenizer has no chat template; use /v1/completions")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+        except BadField as exc:
+            return error(400, str(exc), exc.param)
         for i, m in enumerate(messages):
             if any(has_surrogate(str(v)) for v in m.values()):
                 return error(400, f"messages.{i}: not valid Unicode (a lone surrogate)", f"messages.{i}")
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        except Exception as exc:   # noqa: BLE001 - the template refused these messages
-            return error(400, f"the chat template could not render these messages: {exc}", "messages")
-        stream = await start(req, ids, lambda p: max(1, engine.max_model_len - len(p)))
-        return stream if isinstance(stream, JSONResponse) else await respond(request, req, stream, chat=True)
+            ids = await asyncio.to_thread(llm.render_chat, messages)
+        except ValueError as exc:
+            return error(400, str(exc), "messages")
+        streams = await start(req, [ids], lambda p: max(1, engine.max_model_len - len(p)))
+        if isinstance(streams, JSONResponse):
+            return streams
+        return await respond(request, req, streams, chat=True, echo=[""])
 
-    async def respond(request: Request, req: _Sampling, stream: RequestStream, chat: bool):
+    async def respond(request: Request, req: _Sampling, streams: list[RequestStream], chat: bool, echo: list[str]):
+        """Choice `k * n + i` is sample i of prompt k (OpenAI numbers a list of prompts' choices that way)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": model_name}
+        n = req.n
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(sse(stream, head, chat, req.n, include_usage), media_type="text/event-stream")
+            return StreamingResponse(sse(streams, head, chat, n, include_usage, echo), media_type="text/event-stream")
+        total = n * len(streams)
         try:
-            texts, reasons, usage = [""] * req.n, [None] * req.n, None
-            logprobs: list[list[dict] | None] = [None if req.num_logprobs is None else [] for _ in range(req.n)]
-            async for item in _until_disconnected(request, stream):
+            texts, reasons = [echo[c // n] for c in range(total)], [None] * total
+            logprobs: list[list[dict] | None] = [None if req.num_logprobs is None else [] for _ in range(total)]
+            usages: list[Usage] = []
+            async for k, item in _until_disconnected(request, _merged(streams)):
                 if isinstance(item, Delta):
-                    texts[item.index] += item.text
-                    reasons[item.index] = item.finish_reason or reasons[item.index]
+                    c = k * n + item.index
+                    texts[c] += item.text
+                    reasons[c] = item.finish_reason or reasons[c]
                     if item.logprobs:
-                        logprobs[item.index] += item.logprobs
+                        logprobs[c] += item.logprobs
                 else:
-                    usage = item
+                    usages.append(item)
         except EngineDead as exc:
             return error(503, str(exc))
         except RequestFailed as exc:
             return error(500, str(exc))
         finally:
-            if not stream.finished:
-                llm.abort(stream)
-        if usage is None:   # the client went away
+            for stream in streams:
+                if not stream.finished:
+                    llm.abort(stream)
+        if len(usages) < len(streams):   # the client went away
             return Response(status_code=499)
         choices = [({"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
                     if chat else {"index": i, "text": t, "finish_reason": r})
-                   | {"logprobs": _logprobs(lp, chat, engine.decode)} for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
+                   | {"logprobs": _logprobs(lp, chat, token_text)} for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": _usage(usage)}
+                "usage": _usage(usages)}
 
-    async def sse(stream: RequestStream, head: dict, chat: bool, n: int, include_usage: bool):
+    async def sse(streams: list[RequestStream], head: dict, chat: bool, n: int, include_usage: bool, echo: list[str]):
         try:
             if chat:   # the role comes first, as in OpenAI's stream
                 for i in range(n):
                     yield _event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]})
-            async for item in stream:
+            for k, prompt_text in enumerate(echo):   # echo: each choice's prompt comes first
+                for i in range(n) if prompt_text else ():
+                    yield _event({**head, "choices": [{"index": k * n + i, "text": prompt_text, "logprobs": None,
+                                                       "finish_reason": None}]})
+            usages = []
+            async for k, item in _merged(streams):
                 if isinstance(item, Usage):
-                    if include_usage:
-                        yield _event({**head, "choices": [], "usage": _usage(item)})
+                    usages.append(item)
                     continue
-                choice = ({"index": item.index, "delta": {"content": item.text} if item.text else {}}
-                          if chat else {"index": item.index, "text": item.text})
-                yield _event({**head, "choices": [{**choice, "logprobs": _logprobs(item.logprobs, chat, engine.decode),
+                index = k * n + item.index
+                choice = ({"index": index, "delta": {"content": item.text} if item.text else {}}
+                          if chat else {"index": index, "text": item.text})
+                yield _event({**head, "choices": [{**choice, "logprobs": _logprobs(item.logprobs, chat, token_text),
                                                    "finish_reason": item.finish_reason}]})
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": _usage(usages)})
             yield "data: [DONE]\n\n"
         except (EngineDead, RequestFailed) as exc:
             code = 503 if isinstance(exc, EngineDead) else 500
             yield _event({"error": {"message": str(exc), "type": ERROR_TYPES[code], "param": None, "code": code}})
         finally:   # also on a client disconnect (the response task is cancelled)
-            if not stream.finished:
-                llm.abort(stream)
+            for stream in streams:
+                if not stream.finished:
+                    llm.abort(stream)
+
+    def token_text(ids: list[int]) -> str:
+        """A token as the logprobs show it: special tokens (EOS) by name, not as empty text."""
+        tok = engine.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
 
     return app
 
 
-async def _until_disconnected(request: Request, stream: RequestStream, poll_s: float = 0.25):
-    """The stream's items; stops early if the client disconnects (checked every `poll_s`, also while items keep
+async def _merged(streams: list[RequestStream]):
+    """(k, item) for the items of several request streams, as they arrive (k: the stream's position)."""
+    its = [s.__aiter__() for s in streams]
+    pending = {asyncio.ensure_future(it.__anext__()): k for k, it in enumerate(its)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.get):
+                k = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                yield k, item
+                pending[asyncio.ensure_future(its[k].__anext__())] = k
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+async def _until_disconnected(request: Request, stream, poll_s: float = 0.25):
+    """The (async iterable) stream's items; stops early if the client disconnects (checked every `poll_s`, also while items keep
     coming: a request that produces a token every step must still notice that nobody waits for its answer)."""
     it = stream.__aiter__()
     nxt = asyncio.ensure_future(it.__anext__())
@@ -376,10 +489,11 @@ def _logprobs(entries: list[dict] | None, chat: bool, decode) -> dict | None:
             "top_logprobs": [{decode([t]): lp for t, lp in e["top"]} for e in entries]}
 
 
-def _usage(u: Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.num_cached_tokens}}
+def _usage(usages: list[Usage]) -> dict:
+    """OpenAI's usage object, summed over the request's prompts."""
+    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.num_cached_tokens for u in usages)}}
 
 
 def _event(obj: dict) -> str:

@@ -10,6 +10,7 @@ request leaves the engine and its KV blocks go back. The engine's public API is 
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 import traceback
@@ -101,8 +102,9 @@ class _Tracked:
 
 
 class _LockedTokenizer:
-    """The tokenizer, one call at a time: the HTTP side encodes while the engine thread decodes, and a Rust-backed
-    Hugging Face tokenizer used from two threads at once fails ("Already borrowed")."""
+    """A tokenizer, one call at a time: a Rust-backed Hugging Face tokenizer used from two threads at once fails
+    ("Already borrowed"). The engine thread has one (it decodes every step), the HTTP side another (`AsyncLLM`
+    copies it), so that tokenizing a long prompt never holds up the engine's detokenizing."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer, self._lock = tokenizer, threading.Lock()
@@ -121,7 +123,11 @@ class _LockedTokenizer:
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, *, max_queue: int = 64, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
+        self.tokenizer = None   # the HTTP side's own copy: prompts and chat templates are tokenized with it
         if engine.tokenizer is not None:
+            if isinstance(engine.tokenizer, _LockedTokenizer):   # a second AsyncLLM over the same engine
+                engine.tokenizer = engine.tokenizer._tokenizer
+            self.tokenizer = _LockedTokenizer(copy.deepcopy(engine.tokenizer))
             engine.tokenizer = _LockedTokenizer(engine.tokenizer)
         self.metrics = metrics
         self.max_in_flight = engine.config.max_num_seqs + max_queue
@@ -141,7 +147,12 @@ class AsyncLLM:
         return self
 
     def check(self, prompt, params: SamplingParams) -> list[int]:
-        """The prompt's token ids, or ValueError with what to change (nothing is queued)."""
+        """The prompt's token ids, or ValueError with what to change (nothing is queued). Tokenizes a text prompt with
+        the HTTP side's tokenizer: call it off the event loop (`asyncio.to_thread`), it can take seconds."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this server has no tokenizer: send the prompt as token ids")
+            prompt = list(self.tokenizer.encode(prompt))
         ids, _ = self.engine.validate(prompt, params, 0)
         limit = self.engine.max_model_len
         if len(ids) + params.max_tokens > limit:
@@ -154,6 +165,22 @@ class AsyncLLM:
             raise ValueError(f"this request needs {need} KV blocks at its longest but the whole cache has {bm.num_blocks}: "
                              "lower max_tokens, or start the server with a larger KV cache (--num-kv-blocks)")
         return ids
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to `messages` (with the assistant's turn opened), as token ids; off the event
+        loop, like `check`. ValueError when the template refuses them."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:   # noqa: BLE001 - the template refused these messages
+            raise ValueError(f"the chat template could not render these messages: {exc}") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def prompt_text(self, ids: list[int]) -> str:
+        """A token-id prompt as text (for `echo`), with the HTTP side's tokenizer; off the event loop."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def submit(self, ids: list[int], params: SamplingParams, stop: list[str] | None = None) -> RequestStream:
         """Queue a checked request; returns its stream. Raises Overloaded / EngineDead."""
