@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 __all__ = [
-    "Accelerator", "ACCELERATORS", "get_accelerator", "Link", "LINKS", "get_link", "set_lab_threads", "measure_cpu", "measure_matmul",
+    "Accelerator", "ACCELERATORS", "get_accelerator", "Link", "LINKS", "get_link", "set_lab_threads", "load_guard", "LoadCheck", "measure_cpu", "measure_matmul",
     "cpu_flags", "native_matmul", "auto_dtype", "bf16_matmul_speedup", "packed_fp32_speedup", "best_seconds", "precision_speedup",
     "matmul_flops", "matmul_arithmetic_intensity", "ridge_point", "attainable_flops", "compute_bound_tokens",
     "roofline_time", "kv_bytes_per_token", "kv_cache_bytes", "mla_kv_bytes_per_token", "mla_kv_cache_bytes",
@@ -133,6 +133,77 @@ def set_lab_threads(num_threads: int | None = None) -> int:
     n = num_threads or int(os.environ.get("LLMSO_LAB_THREADS") or 0) or cores
     torch.set_num_threads(n)
     return n
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCheck:
+    """What `load_guard` saw: this run's matmul rate, the best this machine has shown at the same thread count,
+    and the other processes' share of the cores (1-minute load average minus this process's own use)."""
+    gflops: float
+    best_gflops: float
+    others_load: float
+    cpus: int
+
+    @property
+    def busy(self) -> bool:
+        return self.gflops < LOAD_GUARD_SLOWER * self.best_gflops or self.others_load > 0.5 * self.cpus
+
+    def line(self) -> str:
+        seen = (f"fp32 matmul {self.gflops:.1f} GFLOP/s (best seen on this machine {self.best_gflops:.1f}), "
+                f"other processes' load {self.others_load:.1f} on {self.cpus} cores")
+        if self.busy:
+            return (f"WARNING: this machine is busy ({seen}). Timings in this lab will be slower and their ratios may "
+                    f"be off: close other jobs (another notebook, a browser tab running a video, a build) and rerun "
+                    f"the timed cells.")
+        return f"machine check: quiet ({seen}); timings are representative of this machine."
+
+
+LOAD_GUARD_SLOWER = 0.6   # a run under 60% of the machine's best: a quiet 2-core VM stays within 0.8-1.0
+
+
+def load_guard(seconds: float = 0.3, record: str | os.PathLike | None = None, quiet: bool = False,
+               loadavg=os.getloadavg) -> LoadCheck:
+    """The setup cell's check that the machine is quiet enough for the lab's timings; prints one line.
+
+    Times a fixed 512x512 fp32 matmul for about `seconds` (best run, at torch's thread count) and compares it with
+    the best this machine has shown at that thread count (kept in `record`, default
+    `$LLMSO_LAB_CACHE/machine_best.json`, updated when beaten), and reads the load average for other jobs. A machine
+    that another job keeps busy is slower by far more than 40% (2 cores, one busy: 2-10x), so the warning is rare
+    on a quiet machine and certain on a busy one. The first run on a machine is its own best: only the load average
+    can warn then. `loadavg` is injectable (tests)."""
+    import json
+    from pathlib import Path
+
+    threads = torch.get_num_threads()
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    c = torch.empty(512, 512)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    gflops = matmul_flops(512, 512, 512) / best_seconds(lambda: torch.mm(a, b, out=c), seconds) / 1e9
+    own = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+    path = Path(record) if record is not None else Path(
+        os.environ.get("LLMSO_LAB_CACHE", Path.home() / ".cache" / "llmso_lab")) / "machine_best.json"
+    key = f"matmul512_fp32_{threads}threads"
+    try:
+        best = json.loads(path.read_text())
+    except (OSError, ValueError):
+        best = {}
+    if not isinstance(best, dict) or not isinstance(best.get(key), (int, float)):
+        best = best if isinstance(best, dict) else {}
+        best[key] = 0.0
+    if gflops > best[key]:
+        best[key] = gflops
+        try:   # write then rename: two labs starting at once never leave half a file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(best))
+            os.replace(tmp, path)
+        except OSError:
+            pass   # a read-only home: the check still runs, it just does not remember
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    check = LoadCheck(gflops, best[key], max(0.0, loadavg()[0] - own), cpus)
+    if not quiet:
+        print(check.line())
+    return check
 
 
 def measure_matmul(dtype: torch.dtype = torch.float32, seconds: float = 1.0,
