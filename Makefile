@@ -85,8 +85,10 @@ demo: setup
 	$(VENV)/bin/llmso-lab demo
 
 # Unit tests and grading tests in TEST_WORKERS processes (pytest-xdist, whole files per worker: 14:47 instead of 22:01
-# on a fresh clone on 2 cores, much of it sandboxed grading children that run one thread each), then every solution
-# notebook top to bottom in one process (nbval, outputs not compared; two notebooks at once were slower here).
+# on a fresh clone on 2 cores, much of it sandboxed grading children that run one thread each), then every notebook
+# top to bottom (nbval, outputs not compared): the solutions, and the student versions in labs/ with every exercise
+# unsolved (each experiment then runs the library's version: no cell may fail). One torch thread per notebook and
+# TEST_WORKERS notebooks at once; the summary lists each notebook's time.
 TEST_WORKERS ?= 2
 # The live version of the demo: the engine's OpenAI-compatible server on 127.0.0.1 (a free port), loaded by the
 # `bench serve` client (Poisson arrivals, streamed) with chunked prefill, then with prefix caching; client-side TTFT,
@@ -96,7 +98,8 @@ serve-demo: setup
 
 test: setup
 	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
-	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -ra --nbval-lax --nbval-current-env -p no:cacheprovider --durations=15 solutions
+	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 LLMSO_LAB_THREADS=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile \
+		--nbval-lax --nbval-current-env --nbval-cell-timeout=600 -p no:cacheprovider --durations=15 solutions labs
 
 test-fast: setup
 	TRITON_INTERPRET=1 LLMSO_LAB_QUICK=1 $(PY) -m pytest -q -m "not slow" tests

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmso_lab import hardware as hw
 
     hw.set_lab_threads()
+    failed: list[str] = []
     for path in paths:
         guard = hw.load_guard()
         if guard.busy and not args.force:
@@ -45,10 +46,17 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3", record_timing=True,
                                 resources={"metadata": {"path": str(path.parent)}})
-        client.execute(env=env)
+        try:
+            client.execute(env=env)
+        except Exception as exc:   # noqa: BLE001 - report it, leave the notebook as it was, go on with the next
+            failed.append(path.name)
+            print(f"{path.name}: FAILED after {time.perf_counter() - t0:.0f} s, not saved: {exc}", flush=True)
+            continue
         nbformat.write(nb, str(path))
         print(f"{path.name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    return 0
+    if failed:
+        print("failed: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

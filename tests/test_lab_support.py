@@ -38,7 +38,8 @@ def test_load_guard_survives_a_broken_record(tmp_path):
 def test_load_check_flags_other_jobs_even_at_full_speed():
     assert not hw.LoadCheck(100.0, 100.0, 0.2, 2).busy
     assert hw.LoadCheck(100.0, 100.0, 1.5, 2).busy       # another job held most of a core of two
-    assert hw.LoadCheck(50.0, 100.0, 0.0, 2).busy        # half the machine's own best
+    assert hw.LoadCheck(45.0, 100.0, 0.0, 2).busy        # under half the machine's own best
+    assert not hw.LoadCheck(55.0, 100.0, 0.0, 2).busy    # a fresh kernel on a quiet machine can be this slow
 
 
 def _grid_stub(output_lens, num_slots):

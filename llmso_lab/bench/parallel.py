@@ -208,7 +208,8 @@ def run(quick: bool = False, **overrides) -> dict:
             "seconds": round(time.perf_counter() - t_start, 1)}
 
 
-def tp_step_breakdown(model, tp: int = 2, batch: int = 1, max_tokens: int = 16, rounds: int = 3) -> dict:
+def tp_step_breakdown(model, tp: int = 2, batch: int = 1, max_tokens: int = 16, rounds: int = 3,
+                      progress=None) -> dict:
     """Where one decode step's time goes under TP on this machine, next to TP 1 (the engine, greedy, `batch` prompts
     of 12 tokens, `max_tokens` each; engines take turns for `rounds` rounds, the fastest round of each is kept).
 
@@ -220,6 +221,7 @@ def tp_step_breakdown(model, tp: int = 2, batch: int = 1, max_tokens: int = 16, 
       of the time inside all_reduce (a rank that arrives first waits for the slower one: scheduling, unequal work);
     - "driver + pipes" = the step's wall time minus the model forward (rank 0's for TP): scheduling, sampling, and
       for TP the batch sent to every rank and the logits coming back through pipes.
+    `progress(message)`, when given, is called before each timed run (a notebook prints it: the cell takes a while).
     Returns {"rows": [{config, step_ms, compute_ms, link_ms, wait_ms, driver_ms, tokens_per_s}],
              "allreduce_bytes", "allreduce_alone_us", "allreduces_per_forward"}."""
     from llmso_lab.engine import LLM
@@ -234,8 +236,10 @@ def tp_step_breakdown(model, tp: int = 2, batch: int = 1, max_tokens: int = 16, 
     try:
         for llm in engines.values():
             _decode_run(llm, prompts[:1], 4)   # warm-up
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for name in ("tp1 (2 threads)", "tp1 (1 thread)", tp_name):
+                if progress is not None:
+                    progress(f"round {round_ + 1}/{rounds}: {name}")
                 llm = engines["tp1 (2 threads)" if name.startswith("tp1") else tp_name]
                 runner = llm.model_runner
                 if name == "tp1 (1 thread)":

@@ -16,7 +16,7 @@ from llmso_lab.grading.notebook import make_student_notebook, read_notebook, sol
 __all__ = ["repo_root", "render_labs", "write_labs", "check_labs", "build_bundle", "INSTRUCTOR_TESTS"]
 
 # Tests that need solutions/ or hidden checks stay with the instructor.
-INSTRUCTOR_TESTS = ("test_grading", "test_release", "test_notebooks", "test_lab_variants", "lab_variants", "variants_lab")   # variants hold answers
+INSTRUCTOR_TESTS = ("test_grading", "test_release", "test_notebooks", "test_lab_notebooks", "test_lab_variants", "lab_variants", "variants_lab")   # variants hold answers
 BUNDLE_FILES = ("README.md", "pyproject.toml", "Makefile", "LICENSE")
 BUNDLE_DIRS = ("llmso_lab", "data", "tests")
 
@@ -33,9 +33,11 @@ def _dumps(nb: nbformat.NotebookNode) -> str:
 
 
 def render_labs(root: Path | None = None) -> dict[str, str]:
-    """{file name: student notebook text} for every solutions/NN_*.ipynb."""
+    """{file name: student notebook text} for every lab (solutions/NN_*.ipynb) and appendix (solutions/AN_*.ipynb,
+    optional reading that the labs link to, not graded)."""
     root = root or repo_root()
-    return {p.name: _dumps(make_student_notebook(read_notebook(p))) for p in sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb"))}
+    paths = sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb")) + sorted((root / "solutions").glob("A[0-9]_*.ipynb"))
+    return {p.name: _dumps(make_student_notebook(read_notebook(p))) for p in paths}
 
 
 def write_labs(root: Path | None = None) -> list[str]:
