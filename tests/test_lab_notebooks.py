@@ -23,7 +23,8 @@ SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 LABS = [p for p in SOLUTIONS if re.match(r"\d\d_", p.name)]
 MAX_LAB_SECONDS = 8 * 60
 CITATION = re.compile(r"`(vllm/[\w/]+\.py)` · `([A-Za-z_][\w.]*)`")
-BUSY = re.compile(r"바쁜|바쁠|바빠|한가할|다른 작업이 같은|다른 작업으로|busy machine|machine was busy", re.I)
+BUSY = re.compile(r"바쁜|바쁠|바빠|한가할|다른 작업(이|으로|과|을)|부하가 (있는|큰|걸린) (머신|기계)|머신(의)? 부하|"
+                  r"다른 프로세스와 나눠|공유 VM|shared VM|busy machine|machine was busy", re.I)
 
 ids = lambda p: p.stem  # noqa: E731
 
