@@ -168,8 +168,8 @@ def load_guard(seconds: float = 0.3, record: str | os.PathLike | None = None, qu
     Times a fixed 512x512 fp32 matmul for about `seconds` (best run, at torch's thread count) and compares it with
     the best this machine has shown at that thread count (kept in `record`, default
     `$LLMSO_LAB_CACHE/machine_best.json`, updated when beaten), and reads the load average for other jobs. A machine
-    that another job keeps busy is slower by far more than 40% (2 cores, one busy: 2-10x), so the warning is rare
-    on a quiet machine and certain on a busy one. The first run on a machine is its own best: only the load average
+    that another job keeps busy runs at well under half its best (2 cores, one busy: 2-10x slower), so the warning is
+    rare on a quiet machine and certain on a busy one. The first run on a machine is its own best: only the load average
     can warn then. `loadavg` is injectable (tests)."""
     import json
     from pathlib import Path
@@ -187,10 +187,8 @@ def load_guard(seconds: float = 0.3, record: str | os.PathLike | None = None, qu
         best = json.loads(path.read_text())
     except (OSError, ValueError):
         best = {}
-    if not isinstance(best, dict) or not isinstance(best.get(key), (int, float)):
-        best = best if isinstance(best, dict) else {}
-        best[key] = 0.0
-    if gflops > best[key]:
+    best = best if isinstance(best, dict) else {}   # a broken record is rewritten, never trusted
+    if gflops > (best[key] if isinstance(best.get(key), (int, float)) else 0.0):
         best[key] = gflops
         try:   # write then rename: two labs starting at once never leave half a file
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from llmso_lab.engine.core import LLMEngine
+from llmso_lab.engine.inputs import prompt_token_ids
 from llmso_lab.engine.sampling_params import SamplingParams
 from llmso_lab.kv.block_manager import cdiv
 from llmso_lab.engine.detokenizer import IncrementalDetokenizer
@@ -149,11 +150,7 @@ class AsyncLLM:
     def check(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError with what to change (nothing is queued). Tokenizes a text prompt with
         the HTTP side's tokenizer: call it off the event loop (`asyncio.to_thread`), it can take seconds."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this server has no tokenizer: send the prompt as token ids")
-            prompt = list(self.tokenizer.encode(prompt))
-        ids, _ = self.engine.validate(prompt, params, 0)
+        ids, _ = self.engine.validate(prompt_token_ids(prompt, self.tokenizer)[0], params, 0)
         limit = self.engine.max_model_len
         if len(ids) + params.max_tokens > limit:
             raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
